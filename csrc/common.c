@@ -1,0 +1,58 @@
+/* common.c — status messages, clocks and the names of codes. */
+#include <stdarg.h>
+#include <stdio.h>
+#include <time.h>
+
+#include "dptc.h"
+
+dptc_status dptc_fail(dptc_error *err, dptc_status status, const char *fmt, ...)
+{
+    if (err) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(err->message, sizeof err->message, fmt, ap);
+        va_end(ap);
+    }
+    return status;
+}
+
+double dptc_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static const struct {
+    const char *name;
+    size_t size;
+} dtypes[DPTC_DTYPE_COUNT] = {
+    [DPTC_FLOAT32] = {"float32", 4}, [DPTC_FLOAT64] = {"float64", 8},
+    [DPTC_BFLOAT16] = {"bfloat16", 2}, [DPTC_FLOAT16] = {"float16", 2},
+    [DPTC_INT32] = {"int32", 4}, [DPTC_INT64] = {"int64", 8},
+    [DPTC_UINT8] = {"uint8", 1}, [DPTC_INT8] = {"int8", 1},
+    [DPTC_BOOL] = {"bool", 1},
+};
+
+size_t dptc_dtype_size(dptc_dtype dtype)
+{
+    return (unsigned)dtype < DPTC_DTYPE_COUNT ? dtypes[dtype].size : 0;
+}
+
+const char *dptc_dtype_name(dptc_dtype dtype)
+{
+    return (unsigned)dtype < DPTC_DTYPE_COUNT ? dtypes[dtype].name : "unknown dtype";
+}
+
+const char *dptc_op_name(dptc_op op)
+{
+    static const char *names[DPTC_OP_COUNT] = {"all_reduce", "broadcast", "all_gather_into_tensor",
+                                               "reduce_scatter_tensor", "barrier"};
+    return (unsigned)op < DPTC_OP_COUNT ? names[op] : "unknown collective";
+}
+
+const char *dptc_redop_name(dptc_redop redop)
+{
+    static const char *names[DPTC_REDOP_COUNT] = {"SUM", "AVG", "MAX", "MIN", "PRODUCT"};
+    return (unsigned)redop < DPTC_REDOP_COUNT ? names[redop] : "unknown op";
+}

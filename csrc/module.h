@@ -1,0 +1,55 @@
+/* module.h — the extension module's state and the Python-facing helpers
+ * shared by module.c (groups, work handles) and reducer.c (DDP). */
+#ifndef DPTC_MODULE_H
+#define DPTC_MODULE_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include "dptc.h"
+#include "engine.h"
+
+typedef struct {
+    /* Types created from specs at module exec (heap types). */
+    PyTypeObject *group_type;      /* dptc._C.Group */
+    PyTypeObject *work_type;       /* dptc._C.Work */
+    PyTypeObject *reducer_type;    /* dptc._C.Reducer (reducer.c) */
+    PyTypeObject *hook_type;       /* dptc._C.GradHook (reducer.c) */
+    /* Exceptions: DistError and its subclasses. */
+    PyObject *dist_error;
+    PyObject *timeout_error;
+    PyObject *peer_lost_error;
+    PyObject *mismatch_error;
+} dptc_module_state;
+
+dptc_module_state *dptc_state(PyObject *module);
+/* The module a heap type (or an instance's type) was created by. */
+dptc_module_state *dptc_state_from_type(PyTypeObject *type);
+
+/* The one function that turns an engine status into a Python exception.
+ * Always returns NULL.  DPTC_ERR_PYTHON leaves the current exception if one
+ * is set. */
+PyObject *dptc_raise(dptc_module_state *st, dptc_status status,
+                     const dptc_error *err);
+
+/* Borrowed pointer to the engine group inside a dptc._C.Group, or NULL with
+ * TypeError set (naming `argname`) when obj is not one / is closed. */
+dptc_group *dptc_group_from_object(dptc_module_state *st, PyObject *obj,
+                                   const char *argname);
+
+/* Creates a dptc._C.Work around w (steals the reference to w) keeping
+ * `keepalive` (any object, may be NULL) alive until the Work is collected.
+ * Returns a new reference. */
+PyObject *dptc_work_new(dptc_module_state *st, dptc_work *w,
+                        PyObject *keepalive);
+
+/* The cross-node step around a Python callable (bridge.c).  Returns NULL
+ * with an exception set on failure. */
+struct dptc_bridge *dptc_bridge_new(PyObject *callable);
+
+/* Implemented by reducer.c: adds Reducer and GradHook to the module. */
+int dptc_reducer_module_exec(PyObject *module, dptc_module_state *st);
+int dptc_reducer_traverse(dptc_module_state *st, visitproc visit, void *arg);
+void dptc_reducer_clear(dptc_module_state *st);
+
+#endif /* DPTC_MODULE_H */

@@ -1,0 +1,25 @@
+/* reduce.h — element-wise reductions used by every CPU transport. */
+#ifndef DPTC_REDUCE_H
+#define DPTC_REDUCE_H
+
+#include "dptc.h"
+
+/* dst[i] = scale * op(srcs[0][i], ..., srcs[nsrc-1][i]) for i < count.
+ *
+ * dst may alias any srcs[k] (in-place reduction); the sources never alias
+ * each other partially.  nsrc >= 1.  scale multiplies the result before it
+ * is stored (1.0 for SUM/MAX/MIN/PRODUCT; 1/n for AVG); it must be 1.0 for
+ * integer types.  bfloat16 and float16 are accumulated in float32 across all
+ * sources and rounded once (round to nearest even).  AVG is never passed
+ * here: callers pass SUM with scale = 1/n.  Returns DPTC_ERR_INVALID for a
+ * dtype/op pair that is not supported (e.g. scale != 1 with ints).  Runs
+ * without the GIL; allocates nothing. */
+dptc_status dptc_reduce(void *dst, const void *const *srcs, int nsrc,
+                        size_t count, dptc_dtype dtype, dptc_redop op,
+                        double scale);
+
+/* buf[i] *= scale, for floating dtypes (used for AVG after a cross-node
+ * step).  DPTC_ERR_INVALID for integer dtypes. */
+dptc_status dptc_scale(void *buf, size_t count, dptc_dtype dtype, double scale);
+
+#endif /* DPTC_REDUCE_H */

@@ -1,0 +1,31 @@
+"""dptc: data-parallel training for PyTorch with a C core.
+
+Change one import: ``from dptc import DistributedDataParallel as DDP``.
+"""
+
+from . import _C
+from ._C import CollectiveMismatchError, DistError, DistTimeoutError, PeerLostError
+from .collectives import (ReduceOp, all_gather_into_tensor, all_reduce, barrier, broadcast,
+                          reduce_scatter_tensor)
+from .group import (ProcessGroup, destroy_process_group, get_rank, get_world_size,
+                    init_process_group, is_initialized)
+
+__all__ = [
+    "DistError", "DistTimeoutError", "PeerLostError", "CollectiveMismatchError",
+    "ReduceOp", "all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor",
+    "barrier", "ProcessGroup", "init_process_group", "destroy_process_group", "is_initialized",
+    "get_rank", "get_world_size", "DistributedDataParallel", "DDP",
+]
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # DDP imports torch.nn machinery; load it on first use.
+    if name in ("DistributedDataParallel", "DDP"):
+        from .ddp import DistributedDataParallel
+        return DistributedDataParallel
+    if name == "comm_hooks":
+        from . import comm_hooks
+        return comm_hooks
+    raise AttributeError(f"module 'dptc' has no attribute {name!r}")

@@ -1,0 +1,83 @@
+"""Codes shared with the C core (csrc/dptc.h): dtypes, reduce ops, collectives."""
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["dtype_code", "redop_code", "torch_dtype", "torch_reduce_op", "element_size",
+           "is_floating", "OP_ALL_REDUCE", "OP_BROADCAST", "OP_ALL_GATHER",
+           "OP_REDUCE_SCATTER", "OP_BARRIER"]
+
+OP_ALL_REDUCE = 0
+OP_BROADCAST = 1
+OP_ALL_GATHER = 2
+OP_REDUCE_SCATTER = 3
+OP_BARRIER = 4
+
+_DTYPES = {
+    torch.float32: 0,
+    torch.float64: 1,
+    torch.bfloat16: 2,
+    torch.float16: 3,
+    torch.int32: 4,
+    torch.int64: 5,
+    torch.uint8: 6,
+    torch.int8: 7,
+    torch.bool: 8,
+}
+
+_FLOATING = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def dtype_code(dtype, argname="tensor"):
+    try:
+        return _DTYPES[dtype]
+    except KeyError:
+        supported = ", ".join(str(d) for d in _DTYPES)
+        raise TypeError(f"{argname} has dtype {dtype}, which dptc does not "
+                        f"communicate; use one of {supported}") from None
+
+
+def is_floating(dtype):
+    return dtype in _FLOATING
+
+
+_CODES = {code: dtype for dtype, code in _DTYPES.items()}
+
+
+def torch_dtype(code):
+    return _CODES[code]
+
+
+def element_size(dtype):
+    return torch.empty((), dtype=dtype).element_size()
+
+
+# Reduce ops: dptc codes (csrc/dptc.h) for torch.distributed.ReduceOp values.
+REDOP_SUM, REDOP_AVG, REDOP_MAX, REDOP_MIN, REDOP_PRODUCT = range(5)
+_REDOPS = [
+    (dist.ReduceOp.SUM, REDOP_SUM),
+    (dist.ReduceOp.AVG, REDOP_AVG),
+    (dist.ReduceOp.MAX, REDOP_MAX),
+    (dist.ReduceOp.MIN, REDOP_MIN),
+    (dist.ReduceOp.PRODUCT, REDOP_PRODUCT),
+]
+
+
+def redop_code(op, dtype, argname="op"):
+    for torch_op, code in _REDOPS:
+        if op == torch_op:
+            break
+    else:
+        names = ", ".join(f"ReduceOp.{n}" for n in ("SUM", "AVG", "MAX", "MIN", "PRODUCT"))
+        raise ValueError(f"{argname}={op!r} is not supported by dptc; use one of {names}")
+    if code == REDOP_AVG and not is_floating(dtype):
+        raise ValueError(f"{argname}=ReduceOp.AVG needs a floating-point tensor, got {dtype}; "
+                         f"use ReduceOp.SUM and divide, or convert to float")
+    return code
+
+
+def torch_reduce_op(code):
+    for torch_op, c in _REDOPS:
+        if c == code:
+            return torch_op
+    raise ValueError(f"unknown reduce op code {code}")
