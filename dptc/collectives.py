@@ -14,7 +14,7 @@ from ._dtypes import (OP_ALL_GATHER, OP_ALL_REDUCE, OP_BARRIER, OP_BROADCAST,
 from .group import resolve
 
 __all__ = ["ReduceOp", "all_reduce", "broadcast", "all_gather_into_tensor",
-           "reduce_scatter_tensor", "barrier"]
+           "reduce_scatter_tensor", "all_gather_single", "reduce_scatter_single", "barrier"]
 
 ReduceOp = dist.ReduceOp
 
@@ -92,6 +92,11 @@ def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=F
     redop = redop_code(op, input.dtype)
     return _issue(pg, OP_REDUCE_SCATTER, code, redop, input, output, output.numel(), 0,
                   (output, input), async_op)
+
+
+# torch 2.13's names for the same two collectives.
+all_gather_single = all_gather_into_tensor
+reduce_scatter_single = reduce_scatter_tensor
 
 
 def barrier(group=None, async_op=False, device_ids=None):

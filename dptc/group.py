@@ -143,6 +143,7 @@ def _node_layout(store, rank, size):
 def _make_bridge(engine, local_rank, local_size, nnodes, cross_group):
     """The cross-node step: gloo on byte ranges of this rank's staging slots."""
     slot = torch.frombuffer(engine.slot(local_rank), dtype=torch.uint8)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
     def bridge(op, dtype, redop, offset, offset2, count, root):
         dt = torch_dtype(dtype)
@@ -154,7 +155,7 @@ def _make_bridge(engine, local_rank, local_size, nnodes, cross_group):
             dist.broadcast(view, src=root * local_size + local_rank, group=cross_group)
         elif op == 2:
             out = slot[offset2:offset2 + nnodes * nbytes].view(dt)
-            dist.all_gather_into_tensor(out, view, group=cross_group)
+            gather(out, view, group=cross_group)
         else:
             raise ValueError(f"unknown bridge operation {op}")
 
