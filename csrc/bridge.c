@@ -11,7 +11,10 @@
 #include "transport.h"
 
 struct dptc_bridge {
-    PyObject *callable;   /* (op, dtype, redop, offset, offset2, count, root) -> None */
+    /* callable(op, dtype, redop, offset, offset2, count, root) -> None moves
+     * bytes; callable(DPTC_BRIDGE_CHECK, collective, dtype, redop, count, seq,
+     * root, text) -> None, or a message naming the mismatch. */
+    PyObject *callable;
 };
 
 dptc_bridge *dptc_bridge_new(PyObject *callable)
@@ -71,6 +74,29 @@ dptc_status dptc_bridge_call(dptc_bridge *b, dptc_bridge_op op, dptc_dtype dtype
     if (!result) {
         take_exception(err);
         status = DPTC_ERR_PEER_LOST;
+    }
+    Py_XDECREF(result);
+    PyGILState_Release(gil);
+    return status;
+}
+
+dptc_status dptc_bridge_check(dptc_bridge *b, dptc_op op, dptc_dtype dtype, dptc_redop redop,
+                              size_t count, uint64_t seq, int root, const char *text,
+                              dptc_error *err)
+{
+    PyGILState_STATE gil = PyGILState_Ensure();
+    dptc_status status = DPTC_OK;
+    PyObject *result = PyObject_CallFunction(b->callable, "iiiinKis", (int)DPTC_BRIDGE_CHECK,
+                                             (int)op, (int)dtype, (int)redop, (Py_ssize_t)count,
+                                             (unsigned long long)seq, root, text);
+    if (!result) {
+        take_exception(err);
+        status = DPTC_ERR_PEER_LOST;
+    } else if (result != Py_None) {
+        const char *message = PyUnicode_Check(result) ? PyUnicode_AsUTF8(result) : NULL;
+        if (!message)
+            PyErr_Clear();
+        status = dptc_fail(err, DPTC_ERR_MISMATCH, "%s", message ? message : "collective mismatch");
     }
     Py_XDECREF(result);
     PyGILState_Release(gil);

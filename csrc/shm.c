@@ -98,6 +98,7 @@ typedef struct {
     /* Progress: only the engine's executing thread touches these */
     uint32_t steps;               /* my counter value */
     uint64_t rounds;              /* rounds completed, across collectives */
+    int unchecked;                /* the running collective's fingerprint is not compared yet */
     double spin_s;                /* how long to spin before sleeping */
 } shm_transport;
 
@@ -305,6 +306,32 @@ static dptc_status first_step(shm_transport *s, const dptc_coll *c, uint64_t seq
     return check_fingerprints(s, seq, err);
 }
 
+/* Across nodes, the rank with my local index on every node compares its
+ * fingerprint with mine through the bridge, before any data crosses. */
+static dptc_status check_across_nodes(shm_transport *s, const dptc_coll *c, uint64_t seq,
+                                      dptc_error *err)
+{
+    const fingerprint *f = &s->peers[s->local_rank].fp[seq % 2];
+    char text[200];
+    describe(f, text, sizeof text);
+    dptc_status status = dptc_bridge_check(s->bridge, c->op, c->dtype, c->redop, c->count, seq,
+                                           c->root, text, err);
+    if (status != DPTC_OK)
+        shm_abort(&s->base, status, err->message);
+    return status;
+}
+
+/* The step that opens a round.  The collective's first round also compares
+ * fingerprints, unless the cross-node check already did (shm_run). */
+static dptc_status begin_round(shm_transport *s, const dptc_coll *c, uint64_t seq,
+                               double deadline, dptc_error *err)
+{
+    if (!s->unchecked)
+        return step(s, deadline, err);
+    s->unchecked = 0;
+    return first_step(s, c, seq, deadline, err);
+}
+
 /* ------------------------------------------------------------------ */
 /* Algorithms */
 
@@ -336,7 +363,7 @@ static dptc_status all_reduce_small(shm_transport *s, const dptc_coll *c, uint64
 {
     size_t bytes = c->count * dptc_dtype_size(c->dtype);
     memcpy(slot_buffer(s, s->local_rank, s->rounds), c->input, bytes);
-    CHECK(first_step(s, c, seq, deadline, err));
+    CHECK(begin_round(s, c, seq, deadline, err));
     const void *srcs[64];
     for (int p = 0; p < s->local_size; p++)
         srcs[p] = slot_buffer(s, p, s->rounds);
@@ -366,10 +393,7 @@ static dptc_status all_reduce_large(shm_transport *s, const dptc_coll *c, uint64
         if (part > part_max)
             part = part_max;
         memcpy(slot_buffer(s, s->local_rank, s->rounds), in + done * elsize, chunk * elsize);
-        if (first)
-            CHECK(first_step(s, c, seq, deadline, err));
-        else
-            CHECK(step(s, deadline, err));
+        CHECK(begin_round(s, c, seq, deadline, err));
         first = 0;
         /* My part: [lo, hi) of this chunk. */
         size_t lo = (size_t)s->local_rank * part, hi = lo + part;
@@ -433,10 +457,7 @@ static dptc_status broadcast(shm_transport *s, const dptc_coll *c, uint64_t seq,
             memcpy(staged, buf + done * elsize, chunk * elsize);
         if (s->bridge && s->local_rank == root_local && chunk > 0)
             CHECK(bridge(s, DPTC_BRIDGE_BROADCAST, c, staged, NULL, chunk, root_node, err));
-        if (first)
-            CHECK(first_step(s, c, seq, deadline, err));
-        else
-            CHECK(step(s, deadline, err));
+        CHECK(begin_round(s, c, seq, deadline, err));
         first = 0;
         if (!is_root)
             memcpy(buf + done * elsize, staged, chunk * elsize);
@@ -467,10 +488,7 @@ static dptc_status all_gather(shm_transport *s, const dptc_coll *c, uint64_t seq
         memcpy(s->bridge ? staged : mine, in + done * elsize, w * elsize);
         if (s->bridge && w > 0)
             CHECK(bridge(s, DPTC_BRIDGE_ALL_GATHER, c, staged, mine, w, 0, err));
-        if (first)
-            CHECK(first_step(s, c, seq, deadline, err));
-        else
-            CHECK(step(s, deadline, err));
+        CHECK(begin_round(s, c, seq, deadline, err));
         first = 0;
         for (int node = 0; node < s->nnodes; node++)
             for (int p = 0; p < s->local_size; p++) {
@@ -505,10 +523,7 @@ static dptc_status reduce_scatter(shm_transport *s, const dptc_coll *c, uint64_t
         for (int g = 0; g < n; g++)
             memcpy(mine + (size_t)g * window_max * elsize,
                    in + ((size_t)g * c->count + done) * elsize, w * elsize);
-        if (first)
-            CHECK(first_step(s, c, seq, deadline, err));
-        else
-            CHECK(step(s, deadline, err));
+        CHECK(begin_round(s, c, seq, deadline, err));
         first = 0;
         unsigned char *scratch = mine + (size_t)n * window_max * elsize;
         for (int node = 0; node < s->nnodes; node++) {
@@ -538,7 +553,7 @@ static dptc_status reduce_scatter(shm_transport *s, const dptc_coll *c, uint64_t
 static dptc_status barrier(shm_transport *s, const dptc_coll *c, uint64_t seq, double deadline,
                            dptc_error *err)
 {
-    CHECK(first_step(s, c, seq, deadline, err));
+    CHECK(begin_round(s, c, seq, deadline, err));
     if (s->bridge) {
         /* A one-byte all-reduce across nodes, on my staging buffer. */
         dptc_coll one = {.op = DPTC_OP_ALL_REDUCE, .dtype = DPTC_UINT8, .redop = DPTC_MAX};
@@ -558,6 +573,14 @@ static dptc_status shm_run(dptc_transport *t, const dptc_coll *c, uint64_t seq,
     shm_transport *s = (shm_transport *)t;
     if (atomic_load(&s->header->aborted))
         return aborted_error(s, err);
+    s->unchecked = 1;
+    if (s->bridge) {
+        /* Locally, then across nodes, before the first byte moves: a bridged
+         * step issued by mismatched nodes could otherwise wait in gloo. */
+        CHECK(first_step(s, c, seq, deadline, err));
+        CHECK(check_across_nodes(s, c, seq, err));
+        s->unchecked = 0;
+    }
     switch (c->op) {
     case DPTC_OP_ALL_REDUCE:
         return all_reduce(s, c, seq, deadline, err);

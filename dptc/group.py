@@ -28,6 +28,9 @@ __all__ = ["ProcessGroup", "init_process_group", "destroy_process_group", "is_in
 logger = logging.getLogger("dptc")
 
 DEFAULT_TIMEOUT_S = 300.0
+BRIDGE_CHECK = 3  # csrc/transport.h, DPTC_BRIDGE_CHECK
+_OP_NAMES = {0: "all_reduce", 1: "broadcast", 2: "all_gather_into_tensor",
+             3: "reduce_scatter_tensor", 4: "barrier"}
 # Staging bytes per rank and buffer in the shared segment (two buffers per rank).
 DEFAULT_SLOT_BYTES = 1 << 20
 
@@ -145,7 +148,28 @@ def _make_bridge(engine, local_rank, local_size, nnodes, cross_group):
     slot = torch.frombuffer(engine.slot(local_rank), dtype=torch.uint8)
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-    def bridge(op, dtype, redop, offset, offset2, count, root):
+    rank = lambda node: node * local_size + local_rank  # noqa: E731
+
+    def check(collective, dtype, redop, count, seq, root, text):
+        mine = torch.tensor([collective, dtype, redop, count, seq, root], dtype=torch.int64)
+        every = torch.empty(nnodes * mine.numel(), dtype=torch.int64)
+        gather(every, mine, group=cross_group)
+        every = every.view(nnodes, mine.numel())
+        for node in range(nnodes):
+            if not torch.equal(every[node], mine):
+                c, d, r, n, q, root_ = every[node].tolist()
+                dtype_name = str(torch_dtype(d)).replace("torch.", "") if 0 <= d < 9 else d
+                theirs = (f"{_OP_NAMES.get(c, c)}({dtype_name}, count={n}, op code {r}, "
+                          f"root {root_}) (collective #{q})")
+                me = [n_ for n_ in range(nnodes) if torch.equal(every[n_], mine)][0]
+                return (f"collective mismatch: global rank {rank(me)} issued {text} but global "
+                        f"rank {rank(node)} issued {theirs}; every rank must issue the same "
+                        f"collectives in the same order")
+        return None
+
+    def bridge(op, dtype, redop, offset, offset2=0, count=0, root=0, text=None):
+        if op == BRIDGE_CHECK:
+            return check(dtype, redop, offset, offset2, count, root, text)
         dt = torch_dtype(dtype)
         nbytes = count * element_size(dt)
         view = slot[offset:offset + nbytes].view(dt)
