@@ -1,0 +1,257 @@
+"""Training step time of dptc's DistributedDataParallel against torch's (gloo), same run.
+
+    python benchmarks/ddp_step.py                 # starts 2 ranks itself
+    torchrun --standalone --nproc_per_node=2 benchmarks/ddp_step.py
+    python benchmarks/ddp_step.py --impl torch    # torch DDP on both sides: ratios near 1.0
+
+One GPT-style model (examples/gpt.py) is copied three times on every rank: one copy runs with no
+wrapper (the compute-only step), one inside torch's DDP, one inside dptc's DDP.  A step is
+zero_grad, forward, cross-entropy, backward and AdamW on the same fixed batch.  Five phases are
+timed, taking turns step by step (A B C D E, then E D C B A, ...; --block for longer turns) so
+that the machine's noise falls on all of them alike:
+
+    compute     the unwrapped model
+    torch DDP   torch.nn.parallel.DistributedDataParallel on gloo
+    dptc DDP    dptc.DistributedDataParallel
+    torch comm  torch.distributed.all_reduce of the gradient bytes, in bucket_cap_mb pieces
+    dptc comm   dptc.all_reduce of the same
+
+Each phase's time is the median over its timed steps of the slowest rank's step.  The share
+of the communication hidden behind backward is
+
+    hidden = 1 - (ddp_step - compute_step) / comm_time, clipped to [0, 1]
+
+(1: the wrapper costs nothing over compute; 0: it costs the whole all-reduce or more).
+"""
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from dptc.bench import import_dptc, run_under_torchrun  # noqa: E402
+from examples.gpt import build_gpt  # noqa: E402
+
+MB = 1 << 20
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc", type=int, default=2,
+                        help="ranks to start when not already under torchrun (default 2)")
+    parser.add_argument("--impl", default="dptc", choices=("dptc", "torch"),
+                        help="what runs on dptc's side: dptc, or torch DDP and gloo on a group "
+                             "of their own, to check the benchmark (ratios near 1.0)")
+    parser.add_argument("--vocab", type=int, default=256)
+    parser.add_argument("--d-model", type=int, default=384)
+    parser.add_argument("--n-layer", type=int, default=4)
+    parser.add_argument("--n-head", type=int, default=6)
+    parser.add_argument("--ctx", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=1, help="sequences per rank (default 1)")
+    parser.add_argument("--bucket-cap-mb", type=float, default=25.0,
+                        help="DDP bucket size for both wrappers, and the piece size of the "
+                             "comm-only phases (default 25, torch's default)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per phase")
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per phase")
+    parser.add_argument("--block", type=int, default=1,
+                        help="consecutive steps of one phase before the next phase runs "
+                             "(default 1: the phases take turns every step)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--timeout", type=float, default=600,
+                        help="torch.distributed init timeout in seconds (default 600)")
+    args = parser.parse_args(argv)
+    for name in ("steps", "block", "batch"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.warmup < 0:
+        parser.error(f"--warmup must be >= 0, got {args.warmup}")
+    if args.bucket_cap_mb <= 0:
+        parser.error(f"--bucket-cap-mb must be > 0, got {args.bucket_cap_mb}")
+    return args
+
+
+# ---------------------------------------------------------------------------------------------
+# The two sides
+
+def wrap_test_side(impl, model, bucket_cap_mb):
+    """(label, wrapped model, all_reduce) for dptc's side of the comparison."""
+    if impl == "dptc":
+        dptc = import_dptc()
+        dptc.init_process_group()
+        return "dptc", dptc.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb), \
+            dptc.all_reduce
+    group = dist.new_group(backend="gloo")
+    wrapped = TorchDDP(model, process_group=group, bucket_cap_mb=bucket_cap_mb)
+    return "torch*", wrapped, lambda tensor: dist.all_reduce(tensor, group=group)
+
+
+def train_step(model, optimizer, inputs, targets):
+    optimizer.zero_grad(set_to_none=True)
+    logits = model(inputs)
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    loss.backward()
+    optimizer.step()
+
+
+def comm_step(all_reduce, pieces):
+    for piece in pieces:
+        all_reduce(piece)
+
+
+def gradient_pieces(model, bucket_cap_mb):
+    """A zeroed buffer as large as the gradients, cut into bucket_cap_mb views."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    dtypes = {p.dtype for p in params}
+    if len(dtypes) != 1:
+        raise ValueError(f"the comm-only phase assumes one parameter dtype, got {dtypes}")
+    dtype = dtypes.pop()
+    buffer = torch.zeros(sum(p.numel() for p in params), dtype=dtype)
+    per_piece = max(1, int(bucket_cap_mb * MB) // buffer.element_size())
+    return buffer, list(buffer.split(per_piece))
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing
+
+def run_phases(phases, args):
+    """Warms every phase up, then times them interleaved; returns {name: [seconds per step]}."""
+    for step in phases.values():
+        for _ in range(args.warmup):
+            step()
+    samples = {name: [] for name in phases}
+    names = list(phases)
+    block_index = 0
+    while min(len(s) for s in samples.values()) < args.steps:
+        order = names if block_index % 2 == 0 else names[::-1]
+        for name in order:
+            count = min(args.block, args.steps - len(samples[name]))
+            dist.barrier()
+            for _ in range(count):
+                start = time.perf_counter()
+                phases[name]()
+                samples[name].append(time.perf_counter() - start)
+        block_index += 1
+    return samples
+
+
+def slowest_rank_median(seconds):
+    """Median over steps of the largest time any rank took for that step."""
+    tensor = torch.tensor(seconds, dtype=torch.float64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return statistics.median(tensor.tolist())
+
+
+def hidden_share(step, compute, comm):
+    if comm <= 0:
+        return float("nan")
+    return min(1.0, max(0.0, 1.0 - (step - compute) / comm))
+
+
+def max_parameter_difference(a, b):
+    return max((x.detach() - y.detach()).abs().max().item()
+               for x, y in zip(a.parameters(), b.parameters()))
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry point
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    if "RANK" not in os.environ:
+        if args.impl == "dptc":
+            import_dptc()
+        return run_under_torchrun([os.path.abspath(__file__)], argv, args.nproc)
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
+    rank, nranks = dist.get_rank(), dist.get_world_size()
+
+    torch.manual_seed(args.seed)
+    base = build_gpt(vocab=args.vocab, d_model=args.d_model, n_layer=args.n_layer,
+                     n_head=args.n_head, ctx=args.ctx)
+    models = {name: copy.deepcopy(base) for name in ("compute", "torch", "test")}
+    torch_ddp = TorchDDP(models["torch"], bucket_cap_mb=args.bucket_cap_mb)
+    label, test_ddp, test_all_reduce = wrap_test_side(args.impl, models["test"],
+                                                      args.bucket_cap_mb)
+    optimizers = {name: torch.optim.AdamW(model.parameters(), lr=1e-4)
+                  for name, model in models.items()}
+
+    generator = torch.Generator().manual_seed(args.seed * 1000 + rank)
+    inputs = torch.randint(args.vocab, (args.batch, args.ctx), generator=generator)
+    targets = torch.randint(args.vocab, (args.batch, args.ctx), generator=generator)
+    buffer, pieces = gradient_pieces(base, args.bucket_cap_mb)
+
+    phases = {
+        "compute": lambda: train_step(models["compute"], optimizers["compute"], inputs, targets),
+        "torch DDP": lambda: train_step(torch_ddp, optimizers["torch"], inputs, targets),
+        f"{label} DDP": lambda: train_step(test_ddp, optimizers["test"], inputs, targets),
+        "torch comm": lambda: comm_step(dist.all_reduce, pieces),
+        f"{label} comm": lambda: comm_step(test_all_reduce, pieces),
+    }
+    samples = run_phases(phases, args)
+    medians = {name: slowest_rank_median(s) for name, s in samples.items()}
+    # Both wrapped copies started equal and took the same steps on the same batches.
+    drift = torch.tensor([max_parameter_difference(models["torch"], models["test"])],
+                         dtype=torch.float64)
+    dist.all_reduce(drift, op=dist.ReduceOp.MAX)
+
+    compute = medians["compute"]
+    hidden = {side: hidden_share(medians[f"{side} DDP"], compute, medians[f"{side} comm"])
+              for side in ("torch", label)}
+    ratio = medians["torch DDP"] / medians[f"{label} DDP"]
+    if rank == 0:
+        params = buffer.numel()
+        print(f"# ddp_step: {nranks} ranks, torch {torch.__version__}, "
+              f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}")
+        print(f"# model: examples/gpt.py build_gpt(vocab={args.vocab}, d_model={args.d_model}, "
+              f"n_layer={args.n_layer}, n_head={args.n_head}, ctx={args.ctx}), "
+              f"{params / 1e6:.2f} M parameters, {buffer.nbytes / MB:.1f} MiB of gradients "
+              f"in {len(pieces)} piece(s) of <= {args.bucket_cap_mb:g} MiB")
+        print(f"# step: batch {args.batch}x{args.ctx} per rank, forward + cross-entropy + "
+              f"backward + AdamW; {args.warmup} warm-up and {args.steps} timed steps per phase "
+              f"in blocks of {args.block}; time = median over steps of the slowest rank")
+        if args.impl == "torch":
+            print("# torch*: torch DDP and gloo on a group of their own, standing in for dptc "
+                  "(--impl torch); ratios should be near 1.0")
+        for name, seconds in medians.items():
+            print(f"{name:>14}  {seconds * 1e3:9.2f} ms")
+        print(f"step time ratio torch DDP / {label} DDP: {ratio:.2f}")
+        print("hidden share = 1 - (ddp_step - compute_step) / comm_time, clipped to [0, 1]")
+        for side in ("torch", label):
+            step, comm = medians[f"{side} DDP"], medians[f"{side} comm"]
+            print(f"  {side:>6}: 1 - ({step * 1e3:.2f} - {compute * 1e3:.2f}) / "
+                  f"{comm * 1e3:.2f} ms = {hidden[side]:.2f}")
+        print(f"# max |parameter difference| torch DDP vs {label} DDP after "
+              f"{args.warmup + args.steps} steps: {drift.item():.3g}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"nranks": nranks, "impl": args.impl, "label": label,
+                           "parameters": params, "gradient_bytes": buffer.nbytes,
+                           "bucket_cap_mb": args.bucket_cap_mb, "median_s": medians,
+                           "ratio_torch_over_test": ratio, "hidden_share": hidden,
+                           "max_parameter_difference": drift.item(),
+                           "args": vars(args)}, f, indent=1)
+    dist.barrier()
+    if args.impl == "dptc":
+        import_dptc().destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
