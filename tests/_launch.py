@@ -1,0 +1,522 @@
+"""Multi-rank test harness: start N rank processes the way torchrun would, collect their results.
+
+Every multi-process test goes through `run_ranks` (or `run_torchrun_nodes` for a real torchrun
+command line).  Both promise the same hygiene, whatever happens:
+
+- every process starts in its own session, and every process it starts is tracked, so one kill
+  takes down the whole tree: no orphans after a timeout, a failure or a KeyboardInterrupt;
+- a run has a deadline; ranks still running at the deadline get SIGUSR1 first, which makes
+  tests/_rank.py dump every thread's Python stack to stderr, so a hang fails with a stack trace;
+- no /dev/shm/dptc* entry may outlive the run; leftovers are removed, then reported as a failure,
+  so one leaking test does not poison the tests after it.
+
+The rank-side half lives in tests/_rank.py.  Segments of runs that go on concurrently on the same
+machine are told apart from leaks by being mapped or short-lived (see _remove_new_shm); still,
+run the suite serially (no pytest-xdist).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+__all__ = ["REPO_ROOT", "run_ranks", "run_torchrun_nodes", "free_port", "rank_env"]
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+# Seconds the other ranks get to finish after one rank failed (expect_failure=False): long enough
+# for an error to propagate through a collective engine, short enough not to wait for a timeout.
+FAILURE_GRACE_S = 5.0
+# The same for a torchrun node: its agent needs a while to notice its workers' failure.
+TORCHRUN_FAILURE_GRACE_S = 15.0
+# Seconds between SIGUSR1 (stack dump) and SIGKILL for ranks past their deadline.
+STACK_DUMP_WAIT_S = 1.0
+POLL_S = 0.05
+STDERR_TAIL_CHARS = 4000
+SHM_DIR = Path("/dev/shm")
+SHM_PREFIX = "dptc"
+# How long a new, unmapped /dev/shm/dptc* entry may take to disappear before it counts as leaked.
+SHM_SETTLE_S = 2.0
+# Lower-case text of the error a TCP store reports when its port was taken meanwhile.
+_ADDRESS_IN_USE = "address already in use"
+
+# Variables torchrun sets for its workers; removed from the inherited environment before the
+# harness sets its own, so an outer launcher cannot leak into the ranks.
+_LAUNCH_VARIABLES = (
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+    "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK",
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# Small helpers
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _base_env() -> dict:
+    env = {
+        key: value for key, value in os.environ.items()
+        if key not in _LAUNCH_VARIABLES and not key.startswith("TORCHELASTIC")
+    }
+    path = env.get("PYTHONPATH")
+    env["PYTHONPATH"] = str(REPO_ROOT) + (os.pathsep + path if path else "")
+    env["OMP_NUM_THREADS"] = "1"
+    env["DPTC_TIMEOUT"] = "30"
+    env["PYTHONUNBUFFERED"] = "1"   # stdout/stderr tails are complete even when a rank is killed
+    env["PYTHONFAULTHANDLER"] = "1"  # a crash in C prints the Python stack of every thread
+    return env
+
+
+def _apply_overrides(env: dict, overrides: dict | None) -> dict:
+    for key, value in (overrides or {}).items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = str(value)
+    return env
+
+
+def rank_env(rank: int, world_size: int, *, nnodes: int = 1, master_port: int,
+             env: dict | None = None) -> dict:
+    """The environment torchrun would give `rank`, with the harness defaults and `env` on top."""
+    local_size = world_size // nnodes
+    node, local_rank = divmod(rank, local_size)
+    result = _base_env()
+    result.update({
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(local_rank),
+        "LOCAL_WORLD_SIZE": str(local_size),
+        "GROUP_RANK": str(node),
+        "GROUP_WORLD_SIZE": str(nnodes),
+        "ROLE_RANK": str(rank),
+        "ROLE_WORLD_SIZE": str(world_size),
+        "ROLE_NAME": "default",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(master_port),
+    })
+    return _apply_overrides(result, env)
+
+
+def _shm_entries() -> set:
+    try:
+        return {name for name in os.listdir(SHM_DIR) if name.startswith(SHM_PREFIX)}
+    except FileNotFoundError:
+        return set()
+
+
+def _mapped_shm() -> set:
+    """Names of /dev/shm/dptc* files that some live process has mapped."""
+    names = set()
+    marker = str(SHM_DIR / SHM_PREFIX)
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/maps", "rb") as file:
+                maps = file.read().decode("utf-8", "replace")
+        except OSError:
+            continue
+        for line in maps.splitlines():
+            start = line.find(marker)
+            if start >= 0:
+                names.add(line[start + len(str(SHM_DIR)) + 1:].split(" ")[0])
+    return names
+
+
+def _remove_new_shm(before: set) -> list:
+    """Removes the /dev/shm/dptc* entries the run left behind; returns their names.
+
+    Called once every process of the run is dead.  The machine may be shared with other test
+    runs, whose segments exist for a moment between creation and unlinking: an entry counts as
+    left behind when it is new, no live process maps it, and it is still there after
+    SHM_SETTLE_S seconds.
+    """
+    deadline = time.monotonic() + SHM_SETTLE_S
+    while True:
+        leaked = sorted(_shm_entries() - before - _mapped_shm())
+        if not leaked or time.monotonic() >= deadline:
+            break
+        time.sleep(0.1)
+    for name in leaked:
+        path = SHM_DIR / name
+        try:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+        except FileNotFoundError:
+            pass
+    return leaked
+
+
+def _tail(path: Path, limit: int = STDERR_TAIL_CHARS) -> str:
+    try:
+        with open(path, "rb") as file:
+            file.seek(0, os.SEEK_END)
+            size = file.tell()
+            file.seek(max(0, size - limit))
+            text = file.read().decode("utf-8", "replace")
+    except FileNotFoundError:
+        return ""
+    return ("..." if size > limit else "") + text
+
+
+def _describe_exit(code) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Process trees
+
+def _proc_stat(pid: int, with_state: bool = False):
+    """(parent pid, start time in clock ticks[, state letter]) of a process, or None."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as file:
+            data = file.read().decode("ascii", "replace")
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces and parentheses; fields resume after the last ')'.
+    fields = data[data.rindex(")") + 2:].split()
+    if with_state:
+        return int(fields[1]), int(fields[19]), fields[0]
+    return int(fields[1]), int(fields[19])
+
+
+class _ProcessTree:
+    """The processes a run started, and every process they started in turn.
+
+    Children that open their own session (torchrun starts its workers that way) escape a process
+    group kill, and once their parent dies they are re-parented and lost; so descendants are
+    recorded on every poll, with their start time to guard against pid reuse.
+    """
+
+    def __init__(self):
+        self.roots = []  # subprocess.Popen objects, in start order
+        self._known = {}  # pid -> start time, every process seen in the tree
+
+    def start(self, argv, **popen_kwargs) -> subprocess.Popen:
+        proc = subprocess.Popen(argv, start_new_session=True, **popen_kwargs)
+        self.roots.append(proc)
+        stat = _proc_stat(proc.pid)
+        if stat is not None:
+            self._known[proc.pid] = stat[1]
+        return proc
+
+    def refresh(self):
+        """Records the current descendants of every process seen so far."""
+        children = {}
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                stat = _proc_stat(int(entry))
+                if stat is not None:
+                    children.setdefault(stat[0], []).append((int(entry), stat[1]))
+        pending = list(self._known)
+        while pending:
+            for pid, started in children.get(pending.pop(), ()):
+                if pid not in self._known:
+                    self._known[pid] = started
+                    pending.append(pid)
+
+    def signal_roots(self, sig, only_running=True):
+        for proc in self.roots:
+            if only_running and proc.poll() is not None:
+                continue
+            try:
+                os.kill(proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def kill_all(self):
+        """SIGKILL to every recorded process and its process group, then reap the roots."""
+        try:
+            self.refresh()
+        except OSError:
+            pass
+        for pid, started in list(self._known.items()):
+            stat = _proc_stat(pid)
+            if stat is None or stat[1] != started:
+                continue  # gone, or the pid now belongs to someone else
+            for kill in (os.killpg, os.kill):
+                try:
+                    kill(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        for proc in self.roots:
+            # A session leader's group id is its pid: this reaches grandchildren that stayed in the
+            # group even when the leader itself has already exited.
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        # Descendants are reaped by whoever adopted them; wait until they are at least zombies.
+        deadline = time.monotonic() + 5.0
+        for pid, started in self._known.items():
+            while time.monotonic() < deadline:
+                stat = _proc_stat(pid, with_state=True)
+                if stat is None or stat[1] != started or stat[2] in "ZX":
+                    break
+                time.sleep(0.01)
+
+
+def _supervise(tree: _ProcessTree, deadline: float, grace_after_failure: float | None,
+               last_word=(signal.SIGUSR1, STACK_DUMP_WAIT_S)):
+    """Waits until every root exited, the deadline passed, or a root failed and the grace ran out.
+
+    Returns (timed_out, first_failure_time).  Roots still running on return are left to the
+    caller (who kills them), after being sent last_word[0] and given last_word[1] seconds: SIGUSR1
+    makes a rank dump its stacks; SIGTERM makes torchrun stop its workers.
+    """
+    first_failure = None
+    while True:
+        codes = [proc.poll() for proc in tree.roots]
+        if all(code is not None for code in codes):
+            return False, first_failure
+        now = time.monotonic()
+        if first_failure is None and any(code not in (None, 0) for code in codes):
+            first_failure = now
+        stop = deadline
+        if grace_after_failure is not None and first_failure is not None:
+            stop = min(stop, first_failure + grace_after_failure)
+        if now >= stop:
+            tree.refresh()
+            tree.signal_roots(last_word[0])
+            time.sleep(last_word[1])
+            return now >= deadline, first_failure
+        tree.refresh()
+        time.sleep(POLL_S)
+
+
+# ---------------------------------------------------------------------------------------------
+# run_ranks
+
+def _read_result(path: Path):
+    try:
+        with open(path) as file:
+            return json.load(file)
+    except FileNotFoundError:
+        return None
+    except json.JSONDecodeError as error:
+        return {"ok": False, "error_type": "HarnessError",
+                "error": f"unreadable result file: {error}", "traceback": ""}
+
+
+def _rank_report(rank: int, proc, record, stderr_path: Path, killed_by_harness: bool) -> str:
+    how = "killed by the harness" if killed_by_harness else _describe_exit(proc.returncode)
+    lines = [f"--- rank {rank}: {how}"]
+    if record is None:
+        lines.append("    no result written (the process died or was killed before returning)")
+    elif record.get("ok"):
+        lines.append("    returned normally" + (" but did not exit" if proc.returncode else ""))
+    else:
+        lines.append(f"    raised {record.get('error_type')}: {record.get('error')}")
+        lines.append(record.get("traceback", "").rstrip())
+    tail = _tail(stderr_path).rstrip()
+    if tail:
+        lines.append("    stderr tail:")
+        lines.append(tail)
+    return "\n".join(lines)
+
+
+def run_ranks(target: str, world_size: int, *, args=None, timeout: float = 120, nnodes: int = 1,
+              env: dict | None = None, expect_failure: bool = False) -> list:
+    """Runs `target` ("module:function", importable from the repo root) on `world_size` ranks.
+
+    Each rank is `python -m tests._rank <target> <json args> <result file>` in its own process
+    and session, with the environment torchrun would give it (RANK, WORLD_SIZE, LOCAL_RANK,
+    LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR=127.0.0.1, MASTER_PORT=<free port>), plus
+    OMP_NUM_THREADS=1, DPTC_TIMEOUT=30 and the repo root on PYTHONPATH; `env` is applied last
+    (a value of None removes the variable).  With nnodes > 1 the ranks are split into that many
+    simulated nodes: rank = node * (world_size // nnodes) + local_rank.
+
+    Returns the ranks' return values in rank order.  If any rank raised or exited non-zero, the
+    other ranks get FAILURE_GRACE_S seconds, everything is killed and AssertionError is raised
+    with every failing rank's traceback and stderr tail.
+
+    With expect_failure=True nothing is killed early (a rank that dies is the point of the test;
+    the survivors must fail on their own before `timeout`) and the result is, per rank, a dict:
+        exitcode    the process exit status (negative: killed by that signal)
+        error_type  the exception's class name, or None when the function returned (or the
+                    process died without writing a result)
+        error       the exception's message (None when it returned)
+        elapsed     seconds from the rank's clock start (tests._rank.start_clock(), by default
+                    the call of the function) to its return or raise; None without a result
+        error_mro   class names of the exception's MRO ("DistError" for any dptc error)
+        value, traceback, stderr   the return value, the traceback text, the stderr tail
+    A run that passes `timeout` raises AssertionError in both modes: a hang is never expected.
+
+    After every run, a /dev/shm entry named dptc* that appeared during the run is removed and
+    reported as an AssertionError (see _remove_new_shm for entries of concurrent runs).
+
+    MASTER_PORT is a port that was free a moment before; if rank 0 then finds it taken (by a
+    concurrent run), the run is repeated once on a new port.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if nnodes < 1 or world_size % nnodes:
+        raise ValueError(f"nnodes must divide world_size, got nnodes={nnodes}, "
+                         f"world_size={world_size}")
+    if ":" not in target:
+        raise ValueError(f"target must be 'module:function', got {target!r}")
+    args_json = json.dumps(args or {})
+    for attempt in (1, 2):
+        results, problems, port_taken = _run_ranks_once(target, world_size, args_json, timeout,
+                                                        nnodes, env, expect_failure)
+        if not (port_taken and attempt == 1):
+            break
+    if problems:
+        raise AssertionError("\n\n".join(problems))
+    return results
+
+
+def _port_taken(texts) -> bool:
+    return any(_ADDRESS_IN_USE in (text or "").lower() for text in texts)
+
+
+def _run_ranks_once(target, world_size, args_json, timeout, nnodes, env, expect_failure):
+    """One run of run_ranks: (results, problems, whether the master port was taken)."""
+    shm_before = _shm_entries()
+    workdir = Path(tempfile.mkdtemp(prefix="ranks-"))
+    tree = _ProcessTree()
+    problems = []
+    results = []
+    port_taken = False
+    try:
+        port = free_port()
+        started = time.monotonic()
+        for rank in range(world_size):
+            result_path = workdir / f"result-{rank}.json"
+            with open(workdir / f"stdout-{rank}.txt", "wb") as out, \
+                    open(workdir / f"stderr-{rank}.txt", "wb") as err:
+                tree.start(
+                    [sys.executable, "-m", "tests._rank", target, args_json, str(result_path)],
+                    cwd=REPO_ROOT, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                    env=rank_env(rank, world_size, nnodes=nnodes, master_port=port, env=env))
+        timed_out, _ = _supervise(tree, started + timeout,
+                                  None if expect_failure else FAILURE_GRACE_S)
+        wall = time.monotonic() - started
+        killed = [proc.poll() is None for proc in tree.roots]
+        tree.kill_all()
+
+        records = [_read_result(workdir / f"result-{rank}.json") for rank in range(world_size)]
+        port_taken = _port_taken([(records[0] or {}).get("error"),
+                                  _tail(workdir / "stderr-0.txt")])
+        reports = [_rank_report(rank, proc, record, workdir / f"stderr-{rank}.txt", killed[rank])
+                   for rank, (proc, record) in enumerate(zip(tree.roots, records))]
+        if timed_out:
+            problems.append(f"{target} on {world_size} ranks did not finish within {timeout} s "
+                            f"(stacks dumped to stderr at the deadline):\n" + "\n".join(reports))
+        elif expect_failure:
+            for rank, (proc, record) in enumerate(zip(tree.roots, records)):
+                record = record or {}
+                results.append({
+                    "exitcode": proc.returncode,
+                    "error_type": None if record.get("ok", True) else record.get("error_type"),
+                    "error": None if record.get("ok", True) else record.get("error"),
+                    "elapsed": record.get("elapsed"),
+                    "error_mro": record.get("error_mro", []),
+                    "value": record.get("value"),
+                    "traceback": record.get("traceback"),
+                    "stderr": _tail(workdir / f"stderr-{rank}.txt"),
+                })
+        else:
+            failed = [rank for rank, (proc, record) in enumerate(zip(tree.roots, records))
+                      if proc.returncode != 0 or not (record or {}).get("ok")]
+            if failed:
+                problems.append(f"{target} failed on rank(s) {failed} of {world_size} "
+                                f"after {wall:.1f} s:\n" + "\n".join(reports[r] for r in failed))
+            else:
+                results = [record["value"] for record in records]
+    finally:
+        tree.kill_all()
+        leaked = _remove_new_shm(shm_before)
+        shutil.rmtree(workdir, ignore_errors=True)
+    if leaked:
+        problems.append(f"{target} left shared memory behind (now removed): "
+                        + ", ".join(str(SHM_DIR / name) for name in leaked))
+    return results, problems, port_taken
+
+
+# ---------------------------------------------------------------------------------------------
+# Real torchrun
+
+def run_torchrun_nodes(script_args: list, nnodes: int = 2, nproc_per_node: int = 2,
+                       timeout: float = 180, env: dict | None = None) -> list:
+    """Runs `nnodes` torchrun invocations of one command line concurrently on this host.
+
+    Node n is `python -m torch.distributed.run --nnodes=<nnodes> --node_rank=n
+    --master_addr=127.0.0.1 --master_port=<free port> --nproc_per_node=<nproc_per_node>
+    <script_args...>` with the repo root on PYTHONPATH, OMP_NUM_THREADS=1, DPTC_TIMEOUT=30 and
+    `env` on top.  Returns [(returncode, stdout, stderr)] per node; a node that fails is the
+    caller's to report, and the others get TORCHRUN_FAILURE_GRACE_S seconds to follow before
+    they are stopped.  Past `timeout`, every node and every worker it started is killed and
+    AssertionError is raised with their output tails.  A /dev/shm/dptc* entry left behind is
+    removed and reported as an AssertionError.
+    """
+    shm_before = _shm_entries()
+    workdir = Path(tempfile.mkdtemp(prefix="torchrun-"))
+    tree = _ProcessTree()
+    problems = []
+    outputs = []
+    try:
+        port = free_port()
+        base = _apply_overrides(_base_env(), env)
+        started = time.monotonic()
+        for node in range(nnodes):
+            argv = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
+                    f"--node_rank={node}", "--master_addr=127.0.0.1", f"--master_port={port}",
+                    f"--nproc_per_node={nproc_per_node}", *map(str, script_args)]
+            with open(workdir / f"stdout-{node}.txt", "wb") as out, \
+                    open(workdir / f"stderr-{node}.txt", "wb") as err:
+                tree.start(argv, cwd=REPO_ROOT, stdin=subprocess.DEVNULL, stdout=out,
+                           stderr=err, env=base)
+        # A node that fails leaves the other waiting for it; torchrun gets SIGTERM (it stops its
+        # workers), and whatever survives is killed below.
+        timed_out, _ = _supervise(tree, started + timeout, TORCHRUN_FAILURE_GRACE_S,
+                                  last_word=(signal.SIGTERM, 2.0))
+        tree.kill_all()
+        for node, proc in enumerate(tree.roots):
+            outputs.append((proc.returncode,
+                            (workdir / f"stdout-{node}.txt").read_text("utf-8", "replace"),
+                            (workdir / f"stderr-{node}.txt").read_text("utf-8", "replace")))
+        if timed_out:
+            problems.append(
+                f"torchrun {' '.join(map(str, script_args))} on {nnodes} nodes did not finish "
+                f"within {timeout} s:\n" + "\n".join(
+                    f"--- node {node}: {_describe_exit(code)}\nstdout:\n{out[-2000:]}\n"
+                    f"stderr:\n{err[-STDERR_TAIL_CHARS:]}"
+                    for node, (code, out, err) in enumerate(outputs)))
+    finally:
+        tree.kill_all()
+        leaked = _remove_new_shm(shm_before)
+        shutil.rmtree(workdir, ignore_errors=True)
+    if leaked:
+        problems.append("torchrun run left shared memory behind (now removed): "
+                        + ", ".join(str(SHM_DIR / name) for name in leaked))
+    if problems:
+        raise AssertionError("\n\n".join(problems))
+    return outputs

@@ -1,0 +1,128 @@
+"""Collectives against the math, for torch.distributed (gloo, the reference) and dptc.
+
+Layer: several ranks.  Rank-side code is in tests/workers_collectives.py; each rank computes
+the expected results itself from every rank's (regenerated) inputs, so the reference run checks
+the test logic and the dptc run checks dptc with the same body.
+
+One process launch per (impl, world size) runs every op x dtype x size case and the async
+checks; the tests below share that run and report its sections.
+"""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from tests._launch import run_ranks, run_torchrun_nodes
+
+WORLD_SIZES = (2, 3, 4)
+SEED = 1234
+SWEEP_TIMEOUT_S = 150
+TWO_NODE_SCRIPT = Path("tests") / "scripts" / "two_node_collectives.py"
+
+# Ranks that lose a peer must raise within DPTC_TIMEOUT; this is how much later the harness may
+# observe it (scheduling on a loaded 2-core machine, process exit).
+KILL_TEST_TIMEOUT_S = 10
+KILL_TEST_SLACK_S = 5
+
+_sweeps = {}
+
+
+def _sweep(impl, world_size):
+    """The results of one sweep run, run once per (impl, world_size) and shared by the tests.
+
+    A failed run is remembered too, so the second test reports it without running it again.
+    """
+    key = (impl, world_size)
+    if key not in _sweeps:
+        try:
+            _sweeps[key] = run_ranks("tests.workers_collectives:sweep", world_size,
+                                     args={"impl": impl, "seed": SEED, "large": True},
+                                     timeout=SWEEP_TIMEOUT_S)
+        except AssertionError as error:
+            _sweeps[key] = error
+    if isinstance(_sweeps[key], AssertionError):
+        raise _sweeps[key]
+    return _sweeps[key]
+
+
+def _failures(results, section):
+    return [f"rank {rank}: {line}" for rank, result in enumerate(results)
+            for line in result[section]]
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_collectives_match_math(impl, world_size):
+    """all_reduce (SUM, AVG, MAX, MIN, PRODUCT), broadcast from every src,
+    all_gather_into_tensor, reduce_scatter_tensor (SUM, AVG), barrier; every dtype; sizes 0, 1,
+    1023, 12345, 300001, and one float32 all_reduce SUM of 64.8 MiB."""
+    failures = _failures(_sweep(impl, world_size), "sync")
+    assert not failures, f"{len(failures)} failures:\n" + "\n".join(failures)
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_async_handles(impl, world_size):
+    """Back-to-back async ops complete in issue order with correct results; wait() returns
+    True; is_completed() is True after wait() and False before the last rank joined."""
+    failures = _failures(_sweep(impl, world_size), "async")
+    assert not failures, f"{len(failures)} failures:\n" + "\n".join(failures)
+
+
+def test_two_nodes(impl):
+    """4 ranks as 2 nodes x 2 local ranks, launched by two real torchrun invocations."""
+    outputs = run_torchrun_nodes([str(TWO_NODE_SCRIPT), "--impl", impl], nnodes=2,
+                                 nproc_per_node=2, timeout=180)
+    text = "\n".join(out for _, out, _ in outputs)
+    report = "\n".join(f"--- node {node}: return code {code}\nstdout:\n{out[-3000:]}\n"
+                       f"stderr:\n{err[-3000:]}" for node, (code, out, err) in enumerate(outputs))
+    assert all(code == 0 for code, _, _ in outputs), report
+    for rank in range(4):
+        assert f"TWO_NODE_OK rank={rank}\n" in text + "\n", report
+
+
+# ---------------------------------------------------------------------------------------------
+# Failures: dptc only (torch's gloo hangs or raises RuntimeError here, which is what dptc fixes)
+
+@pytest.mark.parametrize("impl", ["dptc"])
+@pytest.mark.parametrize("when", ["before", "during"])
+def test_peer_killed_raises_on_survivors(impl, when):
+    world_size, victim = 3, 1
+    results = run_ranks("tests.workers_collectives:peer_killed", world_size,
+                        args={"impl": impl, "victim": victim, "when": when},
+                        env={"DPTC_TIMEOUT": str(KILL_TEST_TIMEOUT_S)}, timeout=90,
+                        expect_failure=True)
+    assert results[victim]["exitcode"] == -9, results[victim]
+    for rank, result in enumerate(results):
+        if rank == victim:
+            continue
+        assert "DistError" in result["error_mro"], (rank, result)
+        assert result["error_type"] in ("PeerLostError", "DistTimeoutError"), (rank, result)
+        assert result["exitcode"] == 1, (rank, result)
+        assert result["elapsed"] < KILL_TEST_TIMEOUT_S + KILL_TEST_SLACK_S, (rank, result)
+
+
+@pytest.mark.parametrize("impl", ["dptc"])
+@pytest.mark.parametrize("kind, patterns", [
+    ("count", [r"\b10\b", r"\b11\b"]),
+    ("op", [r"(?i)all_?reduce", r"(?i)broadcast"]),
+])
+def test_mismatched_collectives_raise_everywhere(impl, kind, patterns):
+    timeout = 60
+    results = run_ranks("tests.workers_collectives:mismatch", 2, args={"impl": impl, "kind": kind},
+                        env={"DPTC_TIMEOUT": str(timeout)}, timeout=120, expect_failure=True)
+    for rank, result in enumerate(results):
+        assert result["error_type"] == "CollectiveMismatchError", (rank, result)
+        assert "DistError" in result["error_mro"], (rank, result)
+        missing = [p for p in patterns if not re.search(p, result["error"])]
+        assert not missing, f"rank {rank}: message {result['error']!r} lacks {missing}"
+        # Found by comparing fingerprints, not by waiting for the deadline.
+        assert result["elapsed"] < timeout / 4, (rank, result)
+
+
+@pytest.mark.parametrize("impl", ["dptc"])
+def test_bad_arguments_name_the_argument(impl):
+    results = run_ranks("tests.workers_collectives:bad_arguments", 2, args={"impl": impl},
+                        timeout=90)
+    failures = [f"rank {rank}: {line}" for rank, lines in enumerate(results) for line in lines]
+    assert not failures, "\n".join(failures)
+
