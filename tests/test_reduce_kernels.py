@@ -1,0 +1,85 @@
+"""The reduction kernels of csrc/reduce.c, checked in C with no torch and no
+process group: tests/c/test_reduce.c is built with reduce.c alone and run.
+
+It compares every dtype and op (AVG as SUM scaled by 1/n), 1 to 4 sources,
+counts 0 to 100003, in place and out of place, against references computed
+in double precision; see the file's header for how they are computed.
+"""
+
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SOURCES = [ROOT / "tests" / "c" / "test_reduce.c", ROOT / "csrc" / "reduce.c"]
+# The extension's own warning flags.
+WARNINGS = ["-std=c11", "-Wall", "-Wextra", "-Werror"]
+SANITIZERS = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all"]
+SANITIZED = ["-O1", "-g", "-fno-omit-frame-pointer", *SANITIZERS]
+# "portable" builds only the baseline kernels, which other machines run
+# (no AVX2 clones, no F16C float16 kernels); see reduce.c.
+PORTABLE = ["-DDPTC_REDUCE_PORTABLE"]
+BUILDS = {
+    "O2": ["-O2"],
+    "O2-portable": ["-O2", *PORTABLE],
+    "sanitized": SANITIZED,
+    "sanitized-portable": [*SANITIZED, *PORTABLE],
+}
+# Leak checking needs ptrace-free surroundings that containers do not always
+# give; the test frees what it allocates and reduce.c allocates nothing.
+SANITIZER_ENV = {
+    "ASAN_OPTIONS": "detect_leaks=0",
+    "UBSAN_OPTIONS": "print_stacktrace=1",
+}
+BUILD_TIMEOUT_S = 300
+RUN_TIMEOUT_S = 900
+
+
+def _compiler():
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        path = name and shutil.which(name)
+        if path:
+            return path
+    pytest.skip("no C compiler found; install one or set CC to run the "
+                "reduction kernel tests")
+
+
+def _environment():
+    # tools/sanitize.sh preloads the sanitizer runtimes into every process;
+    # the compiler and the plain builds of this test must not inherit that.
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    return {**env, **SANITIZER_ENV}
+
+
+def _can_sanitize(cc, tmp_path):
+    probe = tmp_path / "probe.c"
+    probe.write_text("int main(void) { return 0; }\n")
+    built = subprocess.run([cc, *SANITIZERS, str(probe), "-o",
+                            str(tmp_path / "probe")],
+                           capture_output=True, text=True,
+                           timeout=BUILD_TIMEOUT_S, env=_environment())
+    return built.returncode == 0
+
+
+@pytest.mark.parametrize("build", sorted(BUILDS))
+def test_reduce_kernels(build, tmp_path):
+    cc = _compiler()
+    if build.startswith("sanitized") and not _can_sanitize(cc, tmp_path):
+        pytest.skip(f"{cc} cannot link -fsanitize=address,undefined here")
+    exe = tmp_path / "test_reduce"
+    command = [cc, *WARNINGS, *BUILDS[build], "-I", str(ROOT / "csrc"),
+               *(str(s) for s in SOURCES), "-o", str(exe), "-lm"]
+    built = subprocess.run(command, capture_output=True, text=True,
+                           timeout=BUILD_TIMEOUT_S, env=_environment())
+    assert built.returncode == 0, (
+        f"build failed: {' '.join(command)}\n{built.stdout}{built.stderr}")
+
+    run = subprocess.run([str(exe)], capture_output=True, text=True,
+                         timeout=RUN_TIMEOUT_S, env=_environment())
+    assert run.returncode == 0, (
+        f"test_reduce exited {run.returncode}\n{run.stdout}{run.stderr}")
+    assert re.search(r", 0 failures$", run.stdout, re.MULTILINE), run.stdout
