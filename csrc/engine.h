@@ -78,8 +78,7 @@ dptc_status dptc_group_submit(dptc_group *g, const dptc_coll *c,
  * otherwise after the queued work.  Call without the GIL. */
 dptc_status dptc_group_run(dptc_group *g, const dptc_coll *c, dptc_error *err);
 
-/* Blocks until w completes or timeout_s passes (timeout_s < 0: the group's
- * timeout).  Returns the work's status; on failure copies its message into
+/* Blocks until w completes or timeout_s seconds pass.  Returns the work's status; on failure copies its message into
  * err.  Call without the GIL. */
 dptc_status dptc_work_wait(dptc_work *w, double timeout_s, dptc_error *err);
 int dptc_work_is_completed(const dptc_work *w);

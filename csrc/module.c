@@ -85,7 +85,14 @@ static PyObject *work_wait(WorkObject *self, PyObject *args, PyObject *kwargs)
         return NULL;
     double seconds = self->timeout_s;
     if (timeout != Py_None) {
-        seconds = PyFloat_AsDouble(timeout);
+        /* Seconds, or a datetime.timedelta as torch's Work.wait takes. */
+        PyObject *value = PyObject_HasAttrString(timeout, "total_seconds")
+                              ? PyObject_CallMethod(timeout, "total_seconds", NULL)
+                              : Py_NewRef(timeout);
+        if (!value)
+            return NULL;
+        seconds = PyFloat_AsDouble(value);
+        Py_DECREF(value);
         if (seconds == -1.0 && PyErr_Occurred())
             return NULL;
     }

@@ -3,6 +3,8 @@
 Change one import: ``from dptc import DistributedDataParallel as DDP``.
 """
 
+import importlib
+
 from . import _C
 from ._C import CollectiveMismatchError, DistError, DistTimeoutError, PeerLostError
 from .collectives import (ReduceOp, all_gather_into_tensor, all_gather_single, all_reduce,
@@ -25,7 +27,6 @@ def __getattr__(name):
     if name in ("DistributedDataParallel", "DDP"):
         from .ddp import DistributedDataParallel
         return DistributedDataParallel
-    if name == "comm_hooks":
-        from . import comm_hooks
-        return comm_hooks
+    if name in ("comm_hooks", "ddp", "bench"):
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'dptc' has no attribute {name!r}")

@@ -1,0 +1,1424 @@
+/* reducer.c — DDP's gradient reducer: buckets, hook objects, ready
+ * counting, launch order, finalize, no_sync.
+ *
+ * dptc/ddp.py decides the bucket assignment and allocates the bucket tensors;
+ * this file does everything that happens per step: a GradHook (one per
+ * parameter, registered with register_post_accumulate_grad_hook) copies the
+ * accumulated gradient into its bucket and marks it ready; full buckets are
+ * submitted to the engine in bucket order while autograd keeps running; a
+ * callback queued on the autograd engine by the first hook of each backward
+ * waits for the buckets with the GIL released and writes the averages back
+ * into .grad.
+ *
+ * [Note: gradient bucket lifetime]
+ * A bucket is a flat torch tensor of one dtype, allocated by ddp.py
+ * (torch.zeros) and handed to the Reducer by set_buckets, which keeps a
+ * strong reference to it (and to every per-parameter view of it, and to the
+ * 16-bit copy used by the compression hooks) until the next set_buckets or
+ * the Reducer's deallocation.  The engine only ever sees raw pointers into
+ * these tensors, so the rule is: a bucket tensor is released only when no
+ * work that uses it is in flight.  Every path that drops buckets
+ * (set_buckets, clear, dealloc) first runs step_end, which waits for every
+ * submitted work — the waits are bounded, because the error paths abort the
+ * group first and an aborted group fails its works at once.  set_buckets is
+ * refused while a backward is being reduced.  With
+ * gradient_as_bucket_view=True a parameter's .grad *is* its view of the
+ * bucket, so the tensor also lives as long as the user holds that .grad;
+ * after a rebuild the grads are re-pointed at the new buckets (ddp.py) and
+ * the old ones die with the last reference.  Bytes the engine touches
+ * without the GIL that are not tensors (the used-parameter map) come from
+ * PyMem_RawMalloc.
+ *
+ * [Note: bucket launch order]
+ * Every rank holds the same bucket assignment: before the first backward it
+ * is derived from the parameter order (identical models), afterwards from
+ * the order observed on rank 0 in the first backward, which ddp.py
+ * broadcasts (see _rebuild_buckets).  Buckets are submitted strictly in
+ * bucket order: when bucket k becomes full it is submitted only if buckets
+ * 0..k-1 have been; otherwise it waits, and the hook that completes bucket j
+ * submits j and then every full bucket after it (launch_ready_buckets).  So
+ * every rank issues the same all-reduces in the same order whatever order
+ * its gradients arrive in, which is what the engine's fingerprint check
+ * (see [Note: collective order] in engine.h) expects; a rank whose order
+ * differs gets a CollectiveMismatchError instead of silently reducing the
+ * wrong bytes.  Buckets that are not full when backward ends (unused
+ * parameters) are launched by the finalize callback, still in order, and
+ * with find_unused_parameters=True the used-parameter map is all-reduced
+ * after the last bucket, so it too has the same position on every rank.
+ *
+ * [Note: unused parameters]
+ * Without find_unused_parameters, a parameter whose hook did not fire in a
+ * synced backward leaves its bucket forever unlaunched, and the peers that
+ * did launch it wait for us.  The finalize callback detects it locally,
+ * aborts the group with a message naming the parameters (so the peers'
+ * waits fail with that message instead of timing out) and raises
+ * RuntimeError here.  With find_unused_parameters, a locally unused
+ * parameter contributes its current .grad (zeros when it is None, as in
+ * torch), and a per-parameter used map (uint8, MAX) tells every rank which
+ * parameters were used somewhere: those get the average, the others keep
+ * .grad exactly as it was.  A parameter counts as used when its hook fired
+ * with a gradient in any backward since the last synced one (no_sync steps
+ * included), as in torch.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "dptc.h"
+#include "engine.h"
+#include "module.h"
+
+/* Copies at least this large release the GIL. */
+#define RELEASE_GIL_BYTES ((size_t)64 * 1024)
+/* Names listed in an unused-parameter error before "and N more". */
+#define MAX_NAMES_IN_ERROR 16
+
+/* How a bucket is communicated; chosen by register_comm_hook in ddp.py. */
+typedef enum {
+    COMM_PLAIN = 0, /* all-reduce AVG of the bucket in place */
+    COMM_FP16 = 1,  /* cast to float16, all-reduce AVG, cast back */
+    COMM_BF16 = 2,  /* cast to bfloat16, all-reduce AVG, cast back */
+} comm_mode;
+
+/* The reducer's step, one state per backward. */
+typedef enum {
+    STEP_IDLE = 0,      /* no synced forward since the last backward (start,
+                           no_sync, eval): hooks only record usage */
+    STEP_EXPECTING = 1, /* a synced forward ran in grad mode: the next
+                           backward's hooks reduce */
+    STEP_REDUCING = 2,  /* the first hook of this backward fired and queued
+                           the finalize callback; buckets are being filled
+                           and launched */
+} step_state;
+
+typedef struct {
+    /* Identity, fixed at construction */
+    PyObject *param;     /* the nn.Parameter (owned) */
+    PyObject *name;      /* its name in the wrapped module, for errors (owned) */
+    dptc_dtype dtype;
+    size_t nbytes;
+
+    /* Placement, set by set_buckets */
+    Py_ssize_t bucket;
+    size_t offset;       /* in bytes, from the bucket's start */
+    PyObject *view;      /* the bucket's bytes shaped like param (owned) */
+
+    /* Per-backward state, cleared by step_end */
+    int ready;           /* its gradient is in the bucket */
+    int used;            /* a hook fired with a gradient since the last sync */
+    PyObject *grad;      /* .grad as seen when it became ready (owned), or NULL */
+    char *grad_data;     /* grad's bytes when contiguous and not the view */
+    int grad_is_view;    /* grad is the bucket view: nothing to copy */
+    char *saved;         /* with gradient_as_bucket_view: the view's bytes
+                            before the reduce, restored if no rank used it
+                            (PyMem_RawMalloc) */
+} param_slot;
+
+typedef struct {
+    /* Memory; see [Note: gradient bucket lifetime] */
+    PyObject *tensor;       /* flat buffer of `count` elements (owned) */
+    char *data;
+    dptc_dtype dtype;
+    size_t count;
+    PyObject *comm_tensor;  /* 16-bit copy for compressed reduction (owned), or NULL */
+    char *comm_data;
+    dptc_dtype comm_dtype;
+
+    /* Membership, in placement order */
+    Py_ssize_t *members;    /* PyMem_Malloc */
+    Py_ssize_t nmembers;
+
+    /* Per-backward state */
+    Py_ssize_t pending;     /* members not yet ready */
+    dptc_work *work;        /* the submitted all-reduce; NULL before launch or
+                               when the bucket is empty */
+} bucket;
+
+typedef struct ReducerObject ReducerObject;
+
+typedef struct {
+    PyObject_HEAD
+    /* Borrowed: the Reducer owns its hooks and clears this pointer when it
+     * goes away, so a hook outliving it (it sits in the parameter's hook
+     * dict) does nothing. */
+    ReducerObject *reducer;
+    Py_ssize_t index;
+} GradHookObject;
+
+struct ReducerObject {
+    PyObject_HEAD
+    /* Configuration */
+    PyObject *group;           /* dptc._C.Group the buckets are reduced in */
+    PyObject *queue_callback;  /* Variable._execution_engine.queue_callback */
+    int find_unused;
+    int as_view;               /* gradient_as_bucket_view */
+    comm_mode comm;
+
+    /* Parameters and buckets */
+    param_slot *slots;
+    Py_ssize_t nslots;
+    bucket *buckets;
+    Py_ssize_t nbuckets;
+    PyObject *hooks;           /* list of GradHook */
+    PyObject *handles;         /* list of RemovableHandle, to unregister */
+
+    /* Per-backward state */
+    step_state state;
+    Py_ssize_t next_launch;    /* first bucket not yet submitted */
+    uint8_t *used_map;         /* nslots bytes, reduced by the engine thread */
+    dptc_work *used_work;
+
+    /* Order of the first synced backward, for the one bucket rebuild */
+    Py_ssize_t *order;
+    Py_ssize_t norder;
+    int order_recorded;        /* a synced backward completed; order is final */
+
+    /* Counters, for tests and benchmarks */
+    long long steps;
+    long long launched_in_backward;
+    long long launched_at_end;
+    double wait_seconds;
+};
+
+/* ------------------------------------------------------------------ */
+/* 16-bit conversions for the compression hooks (round to nearest even) */
+
+static uint16_t float_to_half(float value)
+{
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    uint16_t sign = (uint16_t)((bits >> 16) & 0x8000u);
+    uint32_t magnitude = bits & 0x7fffffffu;
+    if (magnitude >= 0x7f800000u) /* inf stays inf, NaN stays a (quiet) NaN */
+        return sign | 0x7c00u | (magnitude > 0x7f800000u ? 0x0200u : 0u);
+    if (magnitude >= 0x477ff000u) /* at least 65520: rounds past 65504 */
+        return sign | 0x7c00u;
+    if (magnitude < 0x38800000u) {
+        /* Below 2^-14 the result is subnormal: adding 0.5 makes the FPU
+         * round |value| to a multiple of 2^-24, the half's subnormal step,
+         * and leaves that multiple in the low mantissa bits. */
+        float shifted;
+        memcpy(&shifted, &magnitude, sizeof shifted);
+        shifted += 0.5f;
+        uint32_t out;
+        memcpy(&out, &shifted, sizeof out);
+        return sign | (uint16_t)(out - 0x3f000000u);
+    }
+    /* Normal: rebias the exponent (127 -> 15) and round the 13 dropped
+     * mantissa bits to nearest, ties to even. */
+    uint32_t odd = (magnitude >> 13) & 1u;
+    magnitude += 0xfffu + odd;
+    magnitude -= 112u << 23;
+    return sign | (uint16_t)(magnitude >> 13);
+}
+
+static float half_to_float(uint16_t half)
+{
+    uint32_t sign = (uint32_t)(half & 0x8000u) << 16;
+    uint32_t exponent = (half >> 10) & 0x1fu;
+    uint32_t mantissa = half & 0x3ffu;
+    uint32_t bits;
+    if (exponent == 0x1f) {
+        bits = sign | 0x7f800000u | (mantissa << 13);
+    } else if (exponent == 0) {
+        float value = (float)mantissa * (1.0f / 16777216.0f); /* exact */
+        return sign ? -value : value;
+    } else {
+        bits = sign | ((exponent + 112u) << 23) | (mantissa << 13);
+    }
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
+}
+
+static uint16_t float_to_bfloat(float value)
+{
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((bits >> 16) | 0x0040u);
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+static float bfloat_to_float(uint16_t bfloat)
+{
+    uint32_t bits = (uint32_t)bfloat << 16;
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
+}
+
+/* dst (16-bit, dst_dtype) = src (float32 or float64).  Runs without the GIL. */
+static void compress(void *dst, dptc_dtype dst_dtype, const void *src, dptc_dtype src_dtype,
+                     size_t count)
+{
+    uint16_t *out = dst;
+    if (src_dtype == DPTC_FLOAT32) {
+        const float *in = src;
+        if (dst_dtype == DPTC_FLOAT16)
+            for (size_t i = 0; i < count; i++)
+                out[i] = float_to_half(in[i]);
+        else
+            for (size_t i = 0; i < count; i++)
+                out[i] = float_to_bfloat(in[i]);
+    } else {
+        const double *in = src;
+        if (dst_dtype == DPTC_FLOAT16)
+            for (size_t i = 0; i < count; i++)
+                out[i] = float_to_half((float)in[i]);
+        else
+            for (size_t i = 0; i < count; i++)
+                out[i] = float_to_bfloat((float)in[i]);
+    }
+}
+
+/* dst (float32 or float64) = src (16-bit).  Runs without the GIL. */
+static void decompress(void *dst, dptc_dtype dst_dtype, const void *src, dptc_dtype src_dtype,
+                       size_t count)
+{
+    const uint16_t *in = src;
+    if (dst_dtype == DPTC_FLOAT32) {
+        float *out = dst;
+        if (src_dtype == DPTC_FLOAT16)
+            for (size_t i = 0; i < count; i++)
+                out[i] = half_to_float(in[i]);
+        else
+            for (size_t i = 0; i < count; i++)
+                out[i] = bfloat_to_float(in[i]);
+    } else {
+        double *out = dst;
+        if (src_dtype == DPTC_FLOAT16)
+            for (size_t i = 0; i < count; i++)
+                out[i] = half_to_float(in[i]);
+        else
+            for (size_t i = 0; i < count; i++)
+                out[i] = bfloat_to_float(in[i]);
+    }
+}
+
+/* ------------------------------------------------------------------ */
+/* Small helpers around tensors.  Statuses: DPTC_ERR_PYTHON means a Python
+ * exception is set. */
+
+static dptc_status tensor_data(PyObject *tensor, char **out)
+{
+    PyObject *ptr = PyObject_CallMethod(tensor, "data_ptr", NULL);
+    if (!ptr)
+        return DPTC_ERR_PYTHON;
+    *out = PyLong_AsVoidPtr(ptr);
+    Py_DECREF(ptr);
+    return PyErr_Occurred() ? DPTC_ERR_PYTHON : DPTC_OK;
+}
+
+static dptc_status tensor_flag(PyObject *tensor, const char *method, int *out)
+{
+    PyObject *flag = PyObject_CallMethod(tensor, method, NULL);
+    if (!flag)
+        return DPTC_ERR_PYTHON;
+    *out = PyObject_IsTrue(flag);
+    Py_DECREF(flag);
+    return *out < 0 ? DPTC_ERR_PYTHON : DPTC_OK;
+}
+
+static dptc_status tensor_numel(PyObject *tensor, size_t *out)
+{
+    PyObject *numel = PyObject_CallMethod(tensor, "numel", NULL);
+    if (!numel)
+        return DPTC_ERR_PYTHON;
+    *out = PyLong_AsSize_t(numel);
+    Py_DECREF(numel);
+    return PyErr_Occurred() ? DPTC_ERR_PYTHON : DPTC_OK;
+}
+
+static void copy_bytes(void *dst, const void *src, size_t nbytes)
+{
+    if (nbytes >= RELEASE_GIL_BYTES) {
+        Py_BEGIN_ALLOW_THREADS
+        memcpy(dst, src, nbytes);
+        Py_END_ALLOW_THREADS
+    } else if (nbytes) {
+        memcpy(dst, src, nbytes);
+    }
+}
+
+static void zero_bytes(void *dst, size_t nbytes)
+{
+    if (nbytes >= RELEASE_GIL_BYTES) {
+        Py_BEGIN_ALLOW_THREADS
+        memset(dst, 0, nbytes);
+        Py_END_ALLOW_THREADS
+    } else if (nbytes) {
+        memset(dst, 0, nbytes);
+    }
+}
+
+/* Sets param.grad = value; value may be NULL for None. */
+static dptc_status set_grad(PyObject *param, PyObject *value)
+{
+    return PyObject_SetAttrString(param, "grad", value ? value : Py_None) < 0 ? DPTC_ERR_PYTHON
+                                                                              : DPTC_OK;
+}
+
+/* ------------------------------------------------------------------ */
+/* Launching; see [Note: bucket launch order] */
+
+static dptc_module_state *reducer_state(ReducerObject *r)
+{
+    return dptc_state_from_type(Py_TYPE(r));
+}
+
+/* Submits bucket b's all-reduce.  GIL held. */
+static dptc_status bucket_launch(ReducerObject *r, bucket *b, dptc_error *err)
+{
+    if (b->count == 0)
+        return DPTC_OK;
+    dptc_group *g = dptc_group_from_object(reducer_state(r), r->group, "process_group");
+    if (!g)
+        return DPTC_ERR_PYTHON;
+    dptc_coll coll = {.op = DPTC_OP_ALL_REDUCE, .dtype = b->dtype, .redop = DPTC_AVG,
+                      .input = b->data, .output = b->data, .count = b->count, .root = 0};
+    if (b->comm_tensor) {
+        size_t nbytes = b->count * dptc_dtype_size(b->dtype);
+        if (nbytes >= RELEASE_GIL_BYTES) {
+            Py_BEGIN_ALLOW_THREADS
+            compress(b->comm_data, b->comm_dtype, b->data, b->dtype, b->count);
+            Py_END_ALLOW_THREADS
+        } else {
+            compress(b->comm_data, b->comm_dtype, b->data, b->dtype, b->count);
+        }
+        coll.dtype = b->comm_dtype;
+        coll.input = coll.output = b->comm_data;
+    }
+    return dptc_group_submit(g, &coll, &b->work, err);
+}
+
+/* Submits every full bucket from next_launch on, stopping at the first one
+ * that is not full.  GIL held. */
+static dptc_status launch_ready_buckets(ReducerObject *r, int at_end, dptc_error *err)
+{
+    while (r->next_launch < r->nbuckets && r->buckets[r->next_launch].pending == 0) {
+        CHECK(bucket_launch(r, &r->buckets[r->next_launch], err));
+        r->next_launch++;
+        if (at_end)
+            r->launched_at_end++;
+        else
+            r->launched_in_backward++;
+    }
+    return DPTC_OK;
+}
+
+/* ------------------------------------------------------------------ */
+/* The step */
+
+/* Waits for every submitted work (without the GIL), releases them, and
+ * clears the per-backward state; used by finalize and by every error path
+ * (which abort the group first, so the waits end at once).  GIL held. */
+static void step_end(ReducerObject *r)
+{
+    int any = r->used_work != NULL;
+    for (Py_ssize_t i = 0; i < r->nbuckets && !any; i++)
+        any = r->buckets[i].work != NULL;
+    if (any) {
+        dptc_group *g = dptc_group_from_object(reducer_state(r), r->group, "process_group");
+        double timeout = g ? dptc_group_timeout(g) * 2 + 1 : 1.0;
+        PyErr_Clear();
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < r->nbuckets; i++) {
+            if (r->buckets[i].work) {
+                dptc_work_wait(r->buckets[i].work, timeout, NULL);
+                dptc_work_release(r->buckets[i].work);
+                r->buckets[i].work = NULL;
+            }
+        }
+        if (r->used_work) {
+            dptc_work_wait(r->used_work, timeout, NULL);
+            dptc_work_release(r->used_work);
+            r->used_work = NULL;
+        }
+        Py_END_ALLOW_THREADS
+    }
+    for (Py_ssize_t i = 0; i < r->nbuckets; i++) {
+        r->buckets[i].pending = r->buckets[i].nmembers;
+    }
+    for (Py_ssize_t i = 0; i < r->nslots; i++) {
+        param_slot *s = &r->slots[i];
+        s->ready = 0;
+        s->grad_data = NULL;
+        s->grad_is_view = 0;
+        Py_CLEAR(s->grad);
+        if (s->saved) {
+            PyMem_RawFree(s->saved);
+            s->saved = NULL;
+        }
+    }
+    r->next_launch = 0;
+    r->state = STEP_IDLE;
+}
+
+/* Aborts the group with `reason` so that peers waiting for our buckets fail
+ * too, then ends the step.  GIL held; keeps a pending exception. */
+static void step_abort(ReducerObject *r, const char *reason)
+{
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    dptc_group *g = dptc_group_from_object(reducer_state(r), r->group, "process_group");
+    if (g)
+        dptc_group_abort(g, reason);
+    PyErr_Clear();
+    step_end(r);
+    PyErr_Restore(type, value, traceback);
+}
+
+/* Raises for a failure inside the step (from the engine or from Python),
+ * after aborting the group and ending the step.  Returns NULL. */
+static PyObject *step_fail(ReducerObject *r, dptc_status status, const dptc_error *err)
+{
+    dptc_module_state *st = reducer_state(r);
+    if (status == DPTC_ERR_PYTHON) {
+        step_abort(r, "DistributedDataParallel: a rank failed while reducing gradients "
+                      "(a Python error in its backward pass)");
+        return dptc_raise(st, status, err);
+    }
+    step_abort(r, err->message);
+    return dptc_raise(st, status, err);
+}
+
+/* Checks that grad fits the slot: a CPU tensor of the slot's byte size.  A
+ * module converted after wrapping (.half(), .double(), .to(device)) would
+ * otherwise have the raw copies read or write out of bounds. */
+static dptc_status slot_check_gradient(param_slot *s, PyObject *grad)
+{
+    size_t nbytes = 0;
+    int is_cpu = 0;
+    PyObject *value = PyObject_GetAttrString(grad, "nbytes");
+    if (!value)
+        return DPTC_ERR_PYTHON;
+    nbytes = PyLong_AsSize_t(value);
+    Py_DECREF(value);
+    if (PyErr_Occurred())
+        return DPTC_ERR_PYTHON;
+    value = PyObject_GetAttrString(grad, "is_cpu");
+    if (!value)
+        return DPTC_ERR_PYTHON;
+    is_cpu = PyObject_IsTrue(value);
+    Py_DECREF(value);
+    if (is_cpu < 0)
+        return DPTC_ERR_PYTHON;
+    if (nbytes == s->nbytes && is_cpu)
+        return DPTC_OK;
+    PyErr_Format(PyExc_RuntimeError,
+                 "DistributedDataParallel: the gradient of parameter '%U' is a %s tensor of %zu "
+                 "bytes, but DDP reserved %zu bytes of %s for it: the parameter changed dtype, "
+                 "shape or device after the module was wrapped (e.g. .half(), .double() or "
+                 ".to() on the DDP module).  Convert or move the module before wrapping it.",
+                 s->name, is_cpu ? "CPU" : "non-CPU", nbytes, s->nbytes,
+                 dptc_dtype_name(s->dtype));
+    return DPTC_ERR_PYTHON;
+}
+
+/* Copies grad (param.grad, may be None) into the slot's place in its bucket
+ * and remembers where to write the result.  GIL held. */
+static dptc_status slot_capture(ReducerObject *r, param_slot *s, PyObject *grad)
+{
+    bucket *b = &r->buckets[s->bucket];
+    char *place = b->data + s->offset;
+    Py_CLEAR(s->grad);
+    s->grad_data = NULL;
+    s->grad_is_view = 0;
+    if (grad == Py_None) {
+        zero_bytes(place, s->nbytes);
+        return DPTC_OK;
+    }
+    CHECK(slot_check_gradient(s, grad));
+    s->grad = Py_NewRef(grad);
+    if (s->nbytes == 0)
+        return DPTC_OK;
+    char *data;
+    CHECK(tensor_data(grad, &data));
+    if (data == place) {
+        s->grad_is_view = 1;
+        return DPTC_OK;
+    }
+    int contiguous;
+    CHECK(tensor_flag(grad, "is_contiguous", &contiguous));
+    if (contiguous) {
+        copy_bytes(place, data, s->nbytes);
+        s->grad_data = data;
+        return DPTC_OK;
+    }
+    /* Non-contiguous gradient (e.g. a channels_last parameter): let torch
+     * copy it; the copy back goes through torch too. */
+    PyObject *done = PyObject_CallMethod(s->view, "copy_", "O", grad);
+    if (!done)
+        return DPTC_ERR_PYTHON;
+    Py_DECREF(done);
+    return DPTC_OK;
+}
+
+/* Marks slot `index` ready with its current gradient and launches what can
+ * be launched.  GIL held. */
+static dptc_status slot_mark_ready(ReducerObject *r, Py_ssize_t index, PyObject *grad,
+                                   int at_end, dptc_error *err)
+{
+    param_slot *s = &r->slots[index];
+    CHECK(slot_capture(r, s, grad));
+    s->ready = 1;
+    bucket *b = &r->buckets[s->bucket];
+    b->pending--;
+    if (b->pending == 0)
+        CHECK(launch_ready_buckets(r, at_end, err));
+    return DPTC_OK;
+}
+
+/* The hook: param's gradient has been accumulated.  GIL held.
+ * Returns a new reference (None) or NULL. */
+static PyObject *reducer_on_gradient(ReducerObject *r, Py_ssize_t index)
+{
+    param_slot *s = &r->slots[index];
+    if (r->state == STEP_IDLE) {
+        /* no_sync: .grad accumulates locally; only usage is recorded. */
+        if (r->find_unused && !s->used) {
+            PyObject *grad = PyObject_GetAttrString(s->param, "grad");
+            if (!grad)
+                return NULL;
+            s->used = grad != Py_None;
+            Py_DECREF(grad);
+        }
+        Py_RETURN_NONE;
+    }
+    if (r->nbuckets == 0) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "DistributedDataParallel: gradient hook fired before buckets were set");
+        return NULL;
+    }
+    dptc_error err = {{0}};
+    if (s->ready) {
+        PyErr_Format(PyExc_RuntimeError,
+                     "DistributedDataParallel: parameter '%U' received its gradient twice in "
+                     "one backward pass.  This happens when a parameter is used outside "
+                     "forward, when several backward passes run for one forward (e.g. reentrant "
+                     "activation checkpointing: use use_reentrant=False), or when backward is "
+                     "called twice on one graph; run each synced backward once per forward.",
+                     s->name);
+        step_abort(r, "DistributedDataParallel: a rank received a parameter's gradient twice "
+                      "in one backward pass");
+        return NULL;
+    }
+    if (r->state == STEP_EXPECTING) {
+        PyObject *finalize = PyObject_GetAttrString((PyObject *)r, "_finalize");
+        if (!finalize)
+            return NULL;
+        PyObject *queued = PyObject_CallOneArg(r->queue_callback, finalize);
+        Py_DECREF(finalize);
+        if (!queued)
+            return NULL;
+        Py_DECREF(queued);
+        r->state = STEP_REDUCING;
+    }
+    PyObject *grad = PyObject_GetAttrString(s->param, "grad");
+    if (!grad)
+        return step_fail(r, DPTC_ERR_PYTHON, &err);
+    if (grad != Py_None)
+        s->used = 1;
+    if (!r->order_recorded && r->norder < r->nslots)
+        r->order[r->norder++] = index;
+    dptc_status status = slot_mark_ready(r, index, grad, 0, &err);
+    Py_DECREF(grad);
+    if (status != DPTC_OK)
+        return step_fail(r, status, &err);
+    Py_RETURN_NONE;
+}
+
+/* Without find_unused_parameters: every parameter must have been ready.
+ * Returns DPTC_OK, or DPTC_ERR_PYTHON with RuntimeError set after aborting
+ * the group.  See [Note: unused parameters]. */
+static dptc_status check_all_ready(ReducerObject *r)
+{
+    Py_ssize_t missing = 0;
+    for (Py_ssize_t i = 0; i < r->nslots; i++)
+        missing += !r->slots[i].ready;
+    if (missing == 0)
+        return DPTC_OK;
+    char reason[DPTC_ERROR_MAX] = "DistributedDataParallel: a rank had parameters without a "
+                                  "gradient; pass find_unused_parameters=True";
+    PyObject *names = NULL, *separator = NULL, *joined = NULL, *message = NULL;
+    names = PyList_New(0);
+    if (!names)
+        goto exit;
+    for (Py_ssize_t i = 0; i < r->nslots && PyList_GET_SIZE(names) < MAX_NAMES_IN_ERROR; i++)
+        if (!r->slots[i].ready && PyList_Append(names, r->slots[i].name) < 0)
+            goto exit;
+    separator = PyUnicode_FromString(", ");
+    joined = separator ? PyUnicode_Join(separator, names) : NULL;
+    if (!joined)
+        goto exit;
+    int rank = -1;
+    dptc_group *g = dptc_group_from_object(reducer_state(r), r->group, "process_group");
+    if (g)
+        rank = dptc_group_rank(g);
+    PyErr_Clear();
+    Py_ssize_t more = missing - PyList_GET_SIZE(names);
+    char more_text[64] = "";
+    if (more)
+        snprintf(more_text, sizeof more_text, " and %zd more", more);
+    message = PyUnicode_FromFormat(
+        "DistributedDataParallel: %zd parameter(s) did not receive a gradient in this backward "
+        "pass on rank %d: %U%s.  Every parameter that requires a gradient must take part "
+        "in computing the loss; if some legitimately do not (control flow, unused branches, "
+        "forward outputs left out of the loss), pass find_unused_parameters=True to "
+        "DistributedDataParallel, or set requires_grad=False on parameters that are never "
+        "trained.  The process group has been aborted so that every rank raises.",
+        missing, rank, joined, more_text);
+    const char *text = message ? PyUnicode_AsUTF8(message) : NULL;
+    if (!text)
+        goto exit;
+    snprintf(reason, sizeof reason, "%s", text);
+    PyErr_SetObject(PyExc_RuntimeError, message);
+exit:
+    /* Whatever failed above, the peers must not wait for our buckets. */
+    step_abort(r, reason);
+    Py_XDECREF(message);
+    Py_XDECREF(joined);
+    Py_XDECREF(separator);
+    Py_XDECREF(names);
+    return DPTC_ERR_PYTHON;
+}
+
+/* With find_unused_parameters: marks every parameter that is not ready
+ * (with its current .grad, which does not make it used), launches the rest
+ * of the buckets and then the used map.  GIL held. */
+static dptc_status launch_unused(ReducerObject *r, dptc_error *err)
+{
+    for (Py_ssize_t i = 0; i < r->nslots; i++) {
+        param_slot *s = &r->slots[i];
+        if (s->ready)
+            continue;
+        PyObject *grad = PyObject_GetAttrString(s->param, "grad");
+        if (!grad)
+            return DPTC_ERR_PYTHON;
+        dptc_status status = slot_mark_ready(r, i, grad, 1, err);
+        Py_DECREF(grad);
+        CHECK(status);
+    }
+    for (Py_ssize_t i = 0; i < r->nslots; i++) {
+        param_slot *s = &r->slots[i];
+        r->used_map[i] = (uint8_t)(s->used != 0);
+        /* A view-grad that nobody used must come back unchanged. */
+        if (!s->used && s->grad_is_view && s->nbytes) {
+            s->saved = PyMem_RawMalloc(s->nbytes);
+            if (!s->saved)
+                return dptc_fail(err, DPTC_ERR_NOMEM, "out of memory saving a gradient");
+            memcpy(s->saved, r->buckets[s->bucket].data + s->offset, s->nbytes);
+        }
+    }
+    if (r->nslots == 0)
+        return DPTC_OK;
+    dptc_group *g = dptc_group_from_object(reducer_state(r), r->group, "process_group");
+    if (!g)
+        return DPTC_ERR_PYTHON;
+    dptc_coll coll = {.op = DPTC_OP_ALL_REDUCE, .dtype = DPTC_UINT8, .redop = DPTC_MAX,
+                      .input = r->used_map, .output = r->used_map,
+                      .count = (size_t)r->nslots, .root = 0};
+    return dptc_group_submit(g, &coll, &r->used_work, err);
+}
+
+/* Whether slot i's reduced value goes to its .grad. */
+static int slot_globally_used(ReducerObject *r, Py_ssize_t i)
+{
+    return !r->find_unused || r->used_map[i];
+}
+
+/* Waits for bucket b, decompresses, and copies the results into the
+ * contiguous, distinct .grad tensors.  Runs WITHOUT the GIL. */
+static dptc_status bucket_complete(ReducerObject *r, bucket *b, double timeout, dptc_error *err)
+{
+    if (b->work) {
+        dptc_status status = dptc_work_wait(b->work, timeout, err);
+        dptc_work_release(b->work);
+        b->work = NULL;
+        CHECK(status);
+        if (b->comm_tensor)
+            decompress(b->data, b->dtype, b->comm_data, b->comm_dtype, b->count);
+    }
+    for (Py_ssize_t k = 0; k < b->nmembers; k++) {
+        Py_ssize_t i = b->members[k];
+        param_slot *s = &r->slots[i];
+        if (!s->grad_data || r->as_view || !slot_globally_used(r, i))
+            continue;
+        memcpy(s->grad_data, b->data + s->offset, s->nbytes);
+    }
+    return DPTC_OK;
+}
+
+/* Waits for everything, in launch order, copying each bucket back as soon
+ * as it is done.  Called with the GIL held; releases it. */
+static dptc_status wait_and_copy_back(ReducerObject *r, dptc_error *err)
+{
+    dptc_group *g = dptc_group_from_object(reducer_state(r), r->group, "process_group");
+    if (!g)
+        return DPTC_ERR_PYTHON;
+    double timeout = dptc_group_timeout(g) * 2 + 1;
+    dptc_status status = DPTC_OK;
+    double start = dptc_now();
+    Py_BEGIN_ALLOW_THREADS
+    if (r->used_work) {
+        /* The map decides which copies happen; it was launched last. */
+        status = dptc_work_wait(r->used_work, timeout, err);
+        dptc_work_release(r->used_work);
+        r->used_work = NULL;
+    }
+    for (Py_ssize_t i = 0; i < r->nbuckets && status == DPTC_OK; i++)
+        status = bucket_complete(r, &r->buckets[i], timeout, err);
+    Py_END_ALLOW_THREADS
+    r->wait_seconds += dptc_now() - start;
+    return status;
+}
+
+/* The parts of the write-back that need Python: new .grad tensors, views,
+ * non-contiguous gradients, restored view-grads.  GIL held. */
+static dptc_status write_back_python(ReducerObject *r)
+{
+    for (Py_ssize_t i = 0; i < r->nslots; i++) {
+        param_slot *s = &r->slots[i];
+        if (!slot_globally_used(r, i)) {
+            if (s->saved)
+                memcpy(r->buckets[s->bucket].data + s->offset, s->saved, s->nbytes);
+            continue;
+        }
+        if (s->grad_is_view)
+            continue;
+        if (r->as_view) {
+            CHECK(set_grad(s->param, s->view));
+        } else if (!s->grad) {
+            /* Unused here, used elsewhere: .grad appears, as in torch. */
+            PyObject *copy = PyObject_CallMethod(s->view, "clone", NULL);
+            if (!copy)
+                return DPTC_ERR_PYTHON;
+            dptc_status status = set_grad(s->param, copy);
+            Py_DECREF(copy);
+            CHECK(status);
+        } else if (!s->grad_data && s->nbytes) {
+            PyObject *done = PyObject_CallMethod(s->grad, "copy_", "O", s->view);
+            if (!done)
+                return DPTC_ERR_PYTHON;
+            Py_DECREF(done);
+        }
+    }
+    return DPTC_OK;
+}
+
+/* ------------------------------------------------------------------ */
+/* GradHook */
+
+static PyObject *hook_call(PyObject *op, PyObject *args, PyObject *kwargs)
+{
+    GradHookObject *self = (GradHookObject *)op;
+    (void)args;
+    (void)kwargs;
+    if (!self->reducer)
+        Py_RETURN_NONE;
+    /* The hook may run the reducer's error path, which may drop the last
+     * other reference to it. */
+    ReducerObject *r = (ReducerObject *)Py_NewRef((PyObject *)self->reducer);
+    PyObject *result = reducer_on_gradient(r, self->index);
+    Py_DECREF(r);
+    return result;
+}
+
+static void hook_dealloc(PyObject *op)
+{
+    PyTypeObject *type = Py_TYPE(op);
+    type->tp_free(op);
+    Py_DECREF(type);
+}
+
+static PyObject *hook_repr(PyObject *op)
+{
+    GradHookObject *self = (GradHookObject *)op;
+    return PyUnicode_FromFormat("<dptc._C.GradHook for parameter %zd%s>", self->index,
+                                self->reducer ? "" : " (detached)");
+}
+
+static PyType_Slot hook_slots[] = {
+    {Py_tp_call, hook_call},
+    {Py_tp_dealloc, hook_dealloc},
+    {Py_tp_repr, hook_repr},
+    {Py_tp_doc, "DDP's post-accumulate-grad hook of one parameter (created by Reducer)."},
+    {0, NULL},
+};
+
+static PyType_Spec hook_spec = {
+    .name = "dptc._C.GradHook",
+    .basicsize = sizeof(GradHookObject),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .slots = hook_slots,
+};
+
+/* ------------------------------------------------------------------ */
+/* Reducer: construction and buckets */
+
+static void buckets_free(bucket *buckets, Py_ssize_t n)
+{
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_XDECREF(buckets[i].tensor);
+        Py_XDECREF(buckets[i].comm_tensor);
+        PyMem_Free(buckets[i].members);
+    }
+    PyMem_Free(buckets);
+}
+
+static int dtype_arg(PyObject *value, int allow_none, dptc_dtype *out, const char *what)
+{
+    if (allow_none && value == Py_None) {
+        *out = DPTC_DTYPE_COUNT;
+        return 0;
+    }
+    long code = PyLong_AsLong(value);
+    if (code == -1 && PyErr_Occurred())
+        return -1;
+    if (code < 0 || code >= DPTC_DTYPE_COUNT) {
+        PyErr_Format(PyExc_ValueError, "%s: unknown dtype code %ld", what, code);
+        return -1;
+    }
+    *out = (dptc_dtype)code;
+    return 0;
+}
+
+static PyObject *reducer_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    static char *keywords[] = {"group", "params", "names", "dtypes", "queue_callback",
+                               "find_unused_parameters", "gradient_as_bucket_view", NULL};
+    PyObject *group, *params, *names, *dtypes, *queue_callback;
+    int find_unused, as_view;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO!O!O!Opp:Reducer", keywords, &group,
+                                     &PyList_Type, &params, &PyList_Type, &names, &PyList_Type,
+                                     &dtypes, &queue_callback, &find_unused, &as_view))
+        return NULL;
+    dptc_module_state *st = dptc_state_from_type(type);
+    if (!dptc_group_from_object(st, group, "group"))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(params);
+    if (PyList_GET_SIZE(names) != n || PyList_GET_SIZE(dtypes) != n) {
+        PyErr_SetString(PyExc_ValueError, "Reducer: params, names and dtypes differ in length");
+        return NULL;
+    }
+    if (!PyCallable_Check(queue_callback)) {
+        PyErr_SetString(PyExc_TypeError, "Reducer: queue_callback must be callable");
+        return NULL;
+    }
+    ReducerObject *r = (ReducerObject *)type->tp_alloc(type, 0);
+    if (!r)
+        return NULL;
+    r->group = Py_NewRef(group);
+    r->queue_callback = Py_NewRef(queue_callback);
+    r->find_unused = find_unused;
+    r->as_view = as_view;
+    r->comm = COMM_PLAIN;
+    r->state = STEP_IDLE;
+    r->slots = PyMem_Calloc((size_t)n + 1, sizeof *r->slots);
+    r->order = PyMem_Calloc((size_t)n + 1, sizeof *r->order);
+    r->used_map = PyMem_RawCalloc((size_t)n + 1, 1);
+    r->hooks = PyList_New(0);
+    r->handles = PyList_New(0);
+    if (!r->slots || !r->order || !r->used_map) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    if (!r->hooks || !r->handles)
+        goto fail;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        param_slot *s = &r->slots[i];
+        PyObject *name = PyList_GET_ITEM(names, i);
+        if (!PyUnicode_Check(name)) {
+            PyErr_SetString(PyExc_TypeError, "Reducer: names must be str");
+            goto fail;
+        }
+        if (dtype_arg(PyList_GET_ITEM(dtypes, i), 0, &s->dtype, "Reducer") < 0)
+            goto fail;
+        size_t numel;
+        if (tensor_numel(PyList_GET_ITEM(params, i), &numel) != DPTC_OK)
+            goto fail;
+        s->param = Py_NewRef(PyList_GET_ITEM(params, i));
+        s->name = Py_NewRef(name);
+        s->nbytes = numel * dptc_dtype_size(s->dtype);
+        s->bucket = -1;
+        r->nslots = i + 1;
+    }
+    return (PyObject *)r;
+fail:
+    Py_DECREF(r);
+    return NULL;
+}
+
+/* Reads one (tensor, dtype, members, views, comm_tensor, comm_dtype) entry
+ * into b and places its members.  Returns -1 with an exception set. */
+static int bucket_from_entry(ReducerObject *r, PyObject *entry, Py_ssize_t index, bucket *b,
+                             PyObject **views)
+{
+    PyObject *tensor, *dtype, *members, *member_views, *comm_tensor, *comm_dtype;
+    if (!PyArg_ParseTuple(entry, "OOO!O!OO:set_buckets entry", &tensor, &dtype, &PyList_Type,
+                          &members, &PyList_Type, &member_views, &comm_tensor, &comm_dtype))
+        return -1;
+    if (dtype_arg(dtype, 0, &b->dtype, "set_buckets") < 0 ||
+        dtype_arg(comm_dtype, 1, &b->comm_dtype, "set_buckets") < 0)
+        return -1;
+    Py_ssize_t nmembers = PyList_GET_SIZE(members);
+    if (PyList_GET_SIZE(member_views) != nmembers) {
+        PyErr_SetString(PyExc_ValueError, "set_buckets: members and views differ in length");
+        return -1;
+    }
+    b->tensor = Py_NewRef(tensor);
+    if (tensor_data(tensor, &b->data) != DPTC_OK || tensor_numel(tensor, &b->count) != DPTC_OK)
+        return -1;
+    if (comm_tensor != Py_None) {
+        if (b->comm_dtype != DPTC_FLOAT16 && b->comm_dtype != DPTC_BFLOAT16) {
+            PyErr_SetString(PyExc_ValueError, "set_buckets: comm buffers must be 16-bit");
+            return -1;
+        }
+        if (b->dtype != DPTC_FLOAT32 && b->dtype != DPTC_FLOAT64) {
+            PyErr_SetString(PyExc_ValueError,
+                            "set_buckets: only float32/float64 buckets are compressed");
+            return -1;
+        }
+        size_t comm_count;
+        b->comm_tensor = Py_NewRef(comm_tensor);
+        if (tensor_data(comm_tensor, &b->comm_data) != DPTC_OK ||
+            tensor_numel(comm_tensor, &comm_count) != DPTC_OK)
+            return -1;
+        if (comm_count != b->count) {
+            PyErr_SetString(PyExc_ValueError, "set_buckets: comm buffer size differs");
+            return -1;
+        }
+    }
+    b->members = PyMem_Calloc((size_t)nmembers + 1, sizeof *b->members);
+    if (!b->members) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    size_t offset = 0, elem = dptc_dtype_size(b->dtype);
+    for (Py_ssize_t k = 0; k < nmembers; k++) {
+        Py_ssize_t i = PyLong_AsSsize_t(PyList_GET_ITEM(members, k));
+        if (i == -1 && PyErr_Occurred())
+            return -1;
+        if (i < 0 || i >= r->nslots || views[i]) {
+            PyErr_Format(PyExc_ValueError,
+                         "set_buckets: parameter index %zd is out of range or repeated", i);
+            return -1;
+        }
+        param_slot *s = &r->slots[i];
+        if (s->dtype != b->dtype) {
+            PyErr_Format(PyExc_ValueError, "set_buckets: parameter '%U' is %s, bucket %zd is %s",
+                         s->name, dptc_dtype_name(s->dtype), index, dptc_dtype_name(b->dtype));
+            return -1;
+        }
+        PyObject *view = PyList_GET_ITEM(member_views, k);
+        char *view_data;
+        if (tensor_data(view, &view_data) != DPTC_OK)
+            return -1;
+        if (s->nbytes && view_data != b->data + offset) {
+            PyErr_Format(PyExc_ValueError,
+                         "set_buckets: the view of '%U' is not at offset %zu of bucket %zd",
+                         s->name, offset, index);
+            return -1;
+        }
+        views[i] = view;
+        b->members[b->nmembers++] = i;
+        offset += s->nbytes;
+    }
+    if (offset != b->count * elem) {
+        PyErr_Format(PyExc_ValueError, "set_buckets: bucket %zd holds %zu bytes, members need %zu",
+                     index, b->count * elem, offset);
+        return -1;
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(set_buckets_doc,
+"set_buckets(buckets, comm_mode)\n--\n\n"
+"Installs a bucket assignment, in launch order.  Each entry is\n"
+"(tensor, dtype_code, member_indices, member_views, comm_tensor, comm_dtype_code);\n"
+"members are packed contiguously in the listed order.  comm_mode: 0 plain,\n"
+"1 fp16 compression, 2 bf16 compression.  Not allowed during a backward.");
+
+static PyObject *reducer_set_buckets(PyObject *op, PyObject *args)
+{
+    ReducerObject *r = (ReducerObject *)op;
+    PyObject *entries, *result = NULL;
+    int mode;
+    if (!PyArg_ParseTuple(args, "O!i:set_buckets", &PyList_Type, &entries, &mode))
+        return NULL;
+    if (r->state == STEP_REDUCING) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "DistributedDataParallel: buckets cannot change during a backward pass");
+        return NULL;
+    }
+    if (mode < COMM_PLAIN || mode > COMM_BF16) {
+        PyErr_Format(PyExc_ValueError, "set_buckets: unknown comm mode %d", mode);
+        return NULL;
+    }
+    Py_ssize_t nbuckets = PyList_GET_SIZE(entries);
+    bucket *buckets = PyMem_Calloc((size_t)nbuckets + 1, sizeof *buckets);
+    PyObject **views = PyMem_Calloc((size_t)r->nslots + 1, sizeof *views); /* borrowed */
+    Py_ssize_t *owner = PyMem_Calloc((size_t)r->nslots + 1, sizeof *owner);
+    size_t *offsets = PyMem_Calloc((size_t)r->nslots + 1, sizeof *offsets);
+    if (!buckets || !views || !owner || !offsets) {
+        PyErr_NoMemory();
+        goto exit;
+    }
+    for (Py_ssize_t j = 0; j < nbuckets; j++) {
+        if (bucket_from_entry(r, PyList_GET_ITEM(entries, j), j, &buckets[j], views) < 0)
+            goto exit;
+        size_t offset = 0;
+        for (Py_ssize_t k = 0; k < buckets[j].nmembers; k++) {
+            Py_ssize_t i = buckets[j].members[k];
+            owner[i] = j;
+            offsets[i] = offset;
+            offset += r->slots[i].nbytes;
+        }
+    }
+    for (Py_ssize_t i = 0; i < r->nslots; i++) {
+        if (!views[i]) {
+            PyErr_Format(PyExc_ValueError, "set_buckets: parameter '%U' is in no bucket",
+                         r->slots[i].name);
+            goto exit;
+        }
+    }
+    /* Nothing is in flight and the per-backward state is clean here (state
+     * is not REDUCING): swap, and let exit free the old buckets.  See
+     * [Note: gradient bucket lifetime]. */
+    for (Py_ssize_t i = 0; i < r->nslots; i++) {
+        param_slot *s = &r->slots[i];
+        s->bucket = owner[i];
+        s->offset = offsets[i];
+        Py_XSETREF(s->view, Py_NewRef(views[i]));
+    }
+    for (Py_ssize_t j = 0; j < nbuckets; j++)
+        buckets[j].pending = buckets[j].nmembers;
+    bucket *installed = buckets;
+    buckets = r->buckets;
+    r->buckets = installed;
+    Py_ssize_t ninstalled = nbuckets;
+    nbuckets = r->nbuckets;
+    r->nbuckets = ninstalled;
+    r->comm = (comm_mode)mode;
+    result = Py_NewRef(Py_None);
+exit:
+    if (buckets)
+        buckets_free(buckets, nbuckets);
+    PyMem_Free(views);
+    PyMem_Free(owner);
+    PyMem_Free(offsets);
+    return result;
+}
+
+PyDoc_STRVAR(register_hooks_doc,
+"register_hooks()\n--\n\n"
+"Registers one GradHook per parameter with register_post_accumulate_grad_hook.");
+
+static PyObject *reducer_register_hooks(PyObject *op, PyObject *Py_UNUSED(ignored))
+{
+    ReducerObject *r = (ReducerObject *)op;
+    dptc_module_state *st = reducer_state(r);
+    if (PyList_GET_SIZE(r->hooks) != 0) {
+        PyErr_SetString(PyExc_RuntimeError, "Reducer: hooks are already registered");
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < r->nslots; i++) {
+        GradHookObject *hook = (GradHookObject *)st->hook_type->tp_alloc(st->hook_type, 0);
+        if (!hook)
+            return NULL;
+        hook->reducer = r;
+        hook->index = i;
+        int appended = PyList_Append(r->hooks, (PyObject *)hook);
+        PyObject *handle = appended < 0 ? NULL
+                                        : PyObject_CallMethod(r->slots[i].param,
+                                                              "register_post_accumulate_grad_hook",
+                                                              "O", (PyObject *)hook);
+        Py_DECREF(hook);
+        if (!handle)
+            return NULL;
+        appended = PyList_Append(r->handles, handle);
+        Py_DECREF(handle);
+        if (appended < 0)
+            return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+/* Detaches the hooks and unregisters them (the latter calls Python; the
+ * error, if any, is written as unraisable).  GIL held. */
+static void reducer_remove_hooks(ReducerObject *r)
+{
+    if (r->hooks) {
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(r->hooks); i++)
+            ((GradHookObject *)PyList_GET_ITEM(r->hooks, i))->reducer = NULL;
+    }
+    if (r->handles) {
+        PyObject *handles = r->handles;
+        r->handles = NULL;
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(handles); i++) {
+            PyObject *done = PyObject_CallMethod(PyList_GET_ITEM(handles, i), "remove", NULL);
+            if (!done)
+                PyErr_WriteUnraisable((PyObject *)r);
+            Py_XDECREF(done);
+        }
+        Py_DECREF(handles);
+    }
+}
+
+static PyObject *reducer_remove_hooks_method(PyObject *op, PyObject *Py_UNUSED(ignored))
+{
+    ReducerObject *r = (ReducerObject *)op;
+    reducer_remove_hooks(r);
+    Py_CLEAR(r->hooks);
+    r->hooks = PyList_New(0);
+    r->handles = PyList_New(0);
+    if (!r->hooks || !r->handles)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(prepare_doc,
+"prepare_for_backward(sync)\n--\n\n"
+"Called by forward: the next backward reduces (sync=True) or only accumulates.\n"
+"Raises if the previous synced backward was interrupted before it finished.");
+
+static PyObject *reducer_prepare_for_backward(PyObject *op, PyObject *arg)
+{
+    ReducerObject *r = (ReducerObject *)op;
+    int sync = PyObject_IsTrue(arg);
+    if (sync < 0)
+        return NULL;
+    if (r->state == STEP_REDUCING) {
+        /* A backward started reducing and never reached its finalize
+         * callback (an exception interrupted it): peers may be waiting for
+         * buckets this rank will never launch. */
+        PyErr_SetString(PyExc_RuntimeError,
+                        "DistributedDataParallel: the previous backward pass was interrupted "
+                        "before its gradients were reduced, so the ranks no longer agree on "
+                        "the reduction; the process group has been aborted.  Fix the error "
+                        "raised in that backward pass.");
+        step_abort(r, "DistributedDataParallel: a rank's backward pass was interrupted before "
+                      "its gradients were reduced");
+        return NULL;
+    }
+    r->state = sync ? STEP_EXPECTING : STEP_IDLE;
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(finalize_doc,
+"_finalize()\n--\n\n"
+"End-of-backward callback (queued by the first hook): launches what is left,\n"
+"waits without the GIL and writes the averaged gradients into .grad.");
+
+static PyObject *reducer_finalize(PyObject *op, PyObject *Py_UNUSED(ignored))
+{
+    ReducerObject *r = (ReducerObject *)op;
+    if (r->state != STEP_REDUCING)
+        Py_RETURN_NONE;
+    dptc_error err = {{0}};
+    dptc_status status;
+    if (r->find_unused) {
+        status = launch_unused(r, &err);
+        if (status != DPTC_OK)
+            return step_fail(r, status, &err);
+    } else if (check_all_ready(r) != DPTC_OK) {
+        return NULL; /* the group is aborted and the step ended */
+    }
+    status = wait_and_copy_back(r, &err);
+    if (status != DPTC_OK)
+        return step_fail(r, status, &err);
+    if (write_back_python(r) != DPTC_OK)
+        return step_fail(r, DPTC_ERR_PYTHON, &err);
+    if (r->find_unused)
+        for (Py_ssize_t i = 0; i < r->nslots; i++)
+            r->slots[i].used = 0;
+    r->order_recorded = 1;
+    r->steps++;
+    step_end(r);
+    Py_RETURN_NONE;
+}
+
+static PyObject *reducer_get_observed_order(PyObject *op, void *Py_UNUSED(closure))
+{
+    ReducerObject *r = (ReducerObject *)op;
+    if (!r->order_recorded)
+        Py_RETURN_NONE;
+    PyObject *order = PyList_New(r->norder);
+    if (!order)
+        return NULL;
+    for (Py_ssize_t k = 0; k < r->norder; k++) {
+        PyObject *index = PyLong_FromSsize_t(r->order[k]);
+        if (!index) {
+            Py_DECREF(order);
+            return NULL;
+        }
+        PyList_SET_ITEM(order, k, index);
+    }
+    return order;
+}
+
+static PyObject *reducer_get_stats(PyObject *op, void *Py_UNUSED(closure))
+{
+    ReducerObject *r = (ReducerObject *)op;
+    return Py_BuildValue("{s:L,s:n,s:L,s:L,s:d,s:i}", "steps", r->steps, "buckets", r->nbuckets,
+                         "launched_in_backward", r->launched_in_backward, "launched_at_end",
+                         r->launched_at_end, "wait_seconds", r->wait_seconds, "comm_mode",
+                         (int)r->comm);
+}
+
+static PyObject *reducer_get_state(PyObject *op, void *Py_UNUSED(closure))
+{
+    static const char *names[] = {"idle", "expecting", "reducing"};
+    return PyUnicode_FromString(names[((ReducerObject *)op)->state]);
+}
+
+/* ------------------------------------------------------------------ */
+/* Reducer: life cycle */
+
+static int reducer_traverse(PyObject *op, visitproc visit, void *arg)
+{
+    ReducerObject *r = (ReducerObject *)op;
+    Py_VISIT(Py_TYPE(op));
+    Py_VISIT(r->group);
+    Py_VISIT(r->queue_callback);
+    Py_VISIT(r->hooks);
+    Py_VISIT(r->handles);
+    for (Py_ssize_t i = 0; i < r->nslots; i++) {
+        Py_VISIT(r->slots[i].param);
+        Py_VISIT(r->slots[i].name);
+        Py_VISIT(r->slots[i].view);
+        Py_VISIT(r->slots[i].grad);
+    }
+    for (Py_ssize_t j = 0; j < r->nbuckets; j++) {
+        Py_VISIT(r->buckets[j].tensor);
+        Py_VISIT(r->buckets[j].comm_tensor);
+    }
+    return 0;
+}
+
+static int reducer_clear(PyObject *op)
+{
+    ReducerObject *r = (ReducerObject *)op;
+    if (r->group) {
+        if (r->state == STEP_REDUCING)
+            step_abort(r, "DistributedDataParallel: a rank's reducer was destroyed during a "
+                          "backward pass");
+        step_end(r); /* see [Note: gradient bucket lifetime] */
+    }
+    if (r->hooks)
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(r->hooks); i++)
+            ((GradHookObject *)PyList_GET_ITEM(r->hooks, i))->reducer = NULL;
+    Py_CLEAR(r->hooks);
+    Py_CLEAR(r->handles);
+    buckets_free(r->buckets, r->nbuckets);
+    r->buckets = NULL;
+    r->nbuckets = 0;
+    for (Py_ssize_t i = 0; i < r->nslots; i++) {
+        Py_CLEAR(r->slots[i].param);
+        Py_CLEAR(r->slots[i].name);
+        Py_CLEAR(r->slots[i].view);
+    }
+    Py_CLEAR(r->queue_callback);
+    Py_CLEAR(r->group);
+    return 0;
+}
+
+static void reducer_dealloc(PyObject *op)
+{
+    ReducerObject *r = (ReducerObject *)op;
+    PyTypeObject *type = Py_TYPE(op);
+    PyObject_GC_UnTrack(op);
+    if (r->group && r->state == STEP_REDUCING)
+        step_abort(r, "DistributedDataParallel: a rank's reducer was destroyed during a "
+                      "backward pass");
+    if (r->group)
+        step_end(r);
+    reducer_remove_hooks(r); /* a dead DDP must stop reducing */
+    reducer_clear(op);
+    PyMem_Free(r->slots);
+    PyMem_Free(r->order);
+    PyMem_RawFree(r->used_map);
+    type->tp_free(op);
+    Py_DECREF(type);
+}
+
+static PyMethodDef reducer_methods[] = {
+    {"set_buckets", reducer_set_buckets, METH_VARARGS, set_buckets_doc},
+    {"register_hooks", reducer_register_hooks, METH_NOARGS, register_hooks_doc},
+    {"remove_hooks", reducer_remove_hooks_method, METH_NOARGS,
+     "remove_hooks()\n--\n\nUnregisters the hooks (the reducer stops reducing)."},
+    {"prepare_for_backward", reducer_prepare_for_backward, METH_O, prepare_doc},
+    {"_finalize", reducer_finalize, METH_NOARGS, finalize_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef reducer_getset[] = {
+    {"observed_order", reducer_get_observed_order, NULL,
+     "Parameter indices in the order their gradients became ready in the first synced "
+     "backward (unused ones missing), or None before it completed.", NULL},
+    {"stats", reducer_get_stats, NULL, "Counters: steps, buckets, launches, wait time.", NULL},
+    {"state", reducer_get_state, NULL, "'idle', 'expecting' or 'reducing'.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+PyDoc_STRVAR(reducer_doc,
+"Reducer(group, params, names, dtypes, queue_callback, find_unused_parameters,\n"
+"        gradient_as_bucket_view)\n--\n\n"
+"DDP's gradient reducer (see dptc/ddp.py).  params: the parameters to reduce,\n"
+"deduplicated, all requiring grad; names: their names for errors; dtypes: dptc\n"
+"dtype codes; queue_callback: torch.autograd.Variable._execution_engine.queue_callback.\n"
+"Call set_buckets, then register_hooks.");
+
+static PyType_Slot reducer_slots[] = {
+    {Py_tp_new, reducer_new},
+    {Py_tp_dealloc, reducer_dealloc},
+    {Py_tp_traverse, reducer_traverse},
+    {Py_tp_clear, reducer_clear},
+    {Py_tp_methods, reducer_methods},
+    {Py_tp_getset, reducer_getset},
+    {Py_tp_doc, (void *)reducer_doc},
+    {0, NULL},
+};
+
+static PyType_Spec reducer_spec = {
+    .name = "dptc._C.Reducer",
+    .basicsize = sizeof(ReducerObject),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .slots = reducer_slots,
+};
+
+/* ------------------------------------------------------------------ */
+/* Module hooks (called by module.c) */
+
+int dptc_reducer_module_exec(PyObject *module, dptc_module_state *st)
+{
+    st->hook_type = (PyTypeObject *)PyType_FromModuleAndSpec(module, &hook_spec, NULL);
+    if (!st->hook_type)
+        return -1;
+    st->reducer_type = (PyTypeObject *)PyType_FromModuleAndSpec(module, &reducer_spec, NULL);
+    if (!st->reducer_type)
+        return -1;
+    if (PyModule_AddType(module, st->hook_type) < 0 ||
+        PyModule_AddType(module, st->reducer_type) < 0)
+        return -1;
+    return 0;
+}
+
+int dptc_reducer_traverse(dptc_module_state *st, visitproc visit, void *arg)
+{
+    Py_VISIT(st->hook_type);
+    Py_VISIT(st->reducer_type);
+    return 0;
+}
+
+void dptc_reducer_clear(dptc_module_state *st)
+{
+    Py_CLEAR(st->hook_type);
+    Py_CLEAR(st->reducer_type);
+}

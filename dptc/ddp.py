@@ -1,0 +1,439 @@
+"""dptc.DistributedDataParallel: a drop-in for torch.nn.parallel.DistributedDataParallel.
+
+This file holds the public wrapper, its argument checks and the bucket policy; everything that
+happens per step (hooks, bucket launches, waits, write-back) is in csrc/reducer.c.  Python
+decides the bucket assignment and allocates the bucket tensors; C keeps references to them
+(see [Note: gradient bucket lifetime] in reducer.c).
+"""
+
+import contextlib
+import dataclasses
+import logging
+import math
+import os
+import warnings
+
+import torch
+import torch.nn as nn
+
+from . import _C
+from .comm_hooks import COMM_BF16, COMM_FP16, COMM_PLAIN, native_mode
+from ._dtypes import dtype_code
+from .collectives import broadcast
+from .group import resolve
+
+__all__ = ["DistributedDataParallel", "DDP"]
+
+logger = logging.getLogger("dptc")
+_DEBUG = os.environ.get("DPTC_DEBUG", "") not in ("", "0")
+
+_MB = 1024 * 1024
+_DEFAULT_BUCKET_CAP_MB = 25
+# torch.distributed._DEFAULT_FIRST_BUCKET_BYTES: the first bucket (the gradients that are
+# ready first) is small, so communication starts early in backward.
+_DEFAULT_FIRST_BUCKET_BYTES = 1024 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketPolicy:
+    """Byte limits of gradient buckets, per dtype, in launch order.
+
+    The k-th bucket of a dtype closes once it holds at least ``limit(k)`` bytes:
+    ``first_bucket_bytes`` for k = 0, ``bucket_bytes`` after; ``per_bucket_bytes`` (from
+    ``bucket_cap_mb_list``) overrides both, its last entry repeating.
+    """
+    bucket_bytes: int
+    first_bucket_bytes: int
+    per_bucket_bytes: tuple = ()
+
+    def limit(self, k):
+        if self.per_bucket_bytes:
+            return self.per_bucket_bytes[min(k, len(self.per_bucket_bytes) - 1)]
+        return self.first_bucket_bytes if k == 0 else self.bucket_bytes
+
+    @classmethod
+    def create(cls, bucket_cap_mb, bucket_cap_mb_list=None):
+        if bucket_cap_mb_list:
+            caps = tuple(_cap_bytes(cap, "bucket_cap_mb_list entry") for cap in bucket_cap_mb_list)
+            return cls(bucket_bytes=max(caps), first_bucket_bytes=caps[0], per_bucket_bytes=caps)
+        if bucket_cap_mb is None:
+            return cls(bucket_bytes=_DEFAULT_BUCKET_CAP_MB * _MB,
+                       first_bucket_bytes=_DEFAULT_FIRST_BUCKET_BYTES)
+        cap = _cap_bytes(bucket_cap_mb, "bucket_cap_mb")
+        return cls(bucket_bytes=cap, first_bucket_bytes=cap)
+
+
+def _cap_bytes(cap_mb, argname):
+    if isinstance(cap_mb, bool) or not isinstance(cap_mb, (int, float)):
+        raise TypeError(f"{argname} must be a number of MiB, got {cap_mb!r}")
+    if not math.isfinite(cap_mb) or cap_mb <= 0:
+        raise ValueError(f"{argname} must be > 0, got {cap_mb}; pass None for the default "
+                         f"({_DEFAULT_BUCKET_CAP_MB} MiB)")
+    return max(1, int(cap_mb * _MB))
+
+
+def assign_buckets(nbytes, dtypes, order, policy):
+    """Groups parameter indices into buckets: a pure function of sizes, dtypes and order.
+
+    Walks ``order`` (the order gradients are expected to be ready), keeps one open bucket per
+    dtype and closes it at its byte limit.  Buckets are returned in launch order: by the
+    position of their last member in ``order``, i.e. when they are expected to be full.
+    """
+    open_buckets = {}
+    filled = {}
+    closed = {}
+    buckets = []
+    for index in order:
+        dtype = dtypes[index]
+        open_buckets.setdefault(dtype, []).append(index)
+        filled[dtype] = filled.get(dtype, 0) + nbytes[index]
+        if filled[dtype] >= policy.limit(closed.get(dtype, 0)):
+            buckets.append(open_buckets.pop(dtype))
+            filled[dtype] = 0
+            closed[dtype] = closed.get(dtype, 0) + 1
+    buckets.extend(open_buckets.values())
+    position = {index: k for k, index in enumerate(order)}
+    buckets.sort(key=lambda members: max(position[i] for i in members))
+    return buckets
+
+
+def _broadcast_coalesced(tensors, group, src=0, names=None):
+    """Copies rank src's tensors to every rank: one broadcast per dtype, not one per tensor."""
+    by_dtype = {}
+    for k, tensor in enumerate(tensors):
+        if tensor.numel():
+            name = names[k] if names else "tensor"
+            by_dtype.setdefault(tensor.dtype, []).append((tensor.detach(), name))
+    with torch.no_grad():
+        for dtype, entries in by_dtype.items():
+            dtype_code(dtype, entries[0][1])
+            numels = [tensor.numel() for tensor, _ in entries]
+            if group.rank == src:
+                flat = torch.cat([tensor.reshape(-1) for tensor, _ in entries])
+            else:
+                flat = torch.empty(sum(numels), dtype=dtype)
+            broadcast(flat, src, group=group)
+            if group.rank != src:
+                for (tensor, _), piece in zip(entries, flat.split(numels)):
+                    tensor.copy_(piece.view_as(tensor))
+
+
+def _qualified(prefix, name):
+    return f"{prefix}.{name}" if prefix else name
+
+
+class DistributedDataParallel(nn.Module):
+    """Data parallelism over dptc's engine, with torch's DistributedDataParallel interface.
+
+    Wrap a model that is replicated on every rank; gradients are averaged over the process
+    group during backward, in buckets, overlapping communication with the rest of backward.
+    Parameters (and buffers, with ``broadcast_buffers``) are copied from rank 0 at
+    construction; buffers again before each forward.
+
+    Supported: CPU modules; ``bucket_cap_mb``; ``find_unused_parameters``;
+    ``gradient_as_bucket_view``; ``broadcast_buffers``; ``static_graph`` (accepted, runs like
+    the default path); ``no_sync()`` and ``require_backward_grad_sync``; ``register_comm_hook``
+    with the all-reduce, fp16 and bf16 compression hooks (see dptc.comm_hooks).
+    Not supported, with an error saying so: ``device_ids`` (GPU modules),
+    ``delay_all_reduce_named_params``/``param_to_hook_all_reduce``, ``mixed_precision`` (use
+    torch.autocast), ``device_mesh`` (pass its group as process_group), arbitrary comm hooks.
+    """
+
+    def __init__(self, module, device_ids=None, output_device=None, dim=0,
+                 broadcast_buffers=True, process_group=None, bucket_cap_mb=None,
+                 find_unused_parameters=False, check_reduction=False,
+                 gradient_as_bucket_view=False, static_graph=False,
+                 delay_all_reduce_named_params=None, param_to_hook_all_reduce=None,
+                 mixed_precision=None, device_mesh=None, skip_all_reduce_unused_params=False,
+                 *, init_sync=True, bucket_cap_mb_list=None, batched_grad_copy=False,
+                 forward_sync_buffers=None):
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        _check_unsupported(delay_all_reduce_named_params, param_to_hook_all_reduce,
+                           mixed_precision, process_group, device_mesh)
+        self.bucket_policy = BucketPolicy.create(bucket_cap_mb, bucket_cap_mb_list)
+        if check_reduction:
+            warnings.warn("The `check_reduction` argument in `DistributedDataParallel` module is "
+                          "deprecated. Please avoid using it.", FutureWarning, stacklevel=2)
+        if forward_sync_buffers is not None:
+            broadcast_buffers = forward_sync_buffers
+
+        self.module = module
+        self.process_group = resolve(process_group, "process_group")
+        self.dim = dim
+        self.broadcast_buffers = bool(broadcast_buffers)
+        self.find_unused_parameters = bool(find_unused_parameters)
+        self.gradient_as_bucket_view = bool(gradient_as_bucket_view)
+        self.static_graph = bool(static_graph)
+        self.skip_all_reduce_unused_params = bool(skip_all_reduce_unused_params)
+        self.require_backward_grad_sync = True
+        self.require_forward_param_sync = True
+        self.bucket_bytes_cap = self.bucket_policy.bucket_bytes
+        self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+
+        params, names = self._parameters_to_reduce()
+        self.device = params[0].device
+        self.device_type = self.device.type
+        _check_devices(params, names, device_ids, output_device)
+        self.device_ids = None
+        self.output_device = None
+        codes = [dtype_code(p.dtype, f"parameter {name!r}") for p, name in zip(params, names)]
+
+        if init_sync and self.process_group.size > 1:
+            self._sync_module_states(broadcast_buffers=self.broadcast_buffers)
+
+        self._params = params
+        self._param_names = names
+        self._comm_mode = COMM_PLAIN
+        self._comm_hook = None
+        self._buckets = None          # [(tensor, members, views)], in launch order
+        self._assignment = None
+        self._buckets_rebuilt = False
+        self._reducer = _C.Reducer(self.process_group._c, params, names, codes,
+                                   torch.autograd.Variable._execution_engine.queue_callback,
+                                   self.find_unused_parameters, self.gradient_as_bucket_view)
+        self._install_buckets(list(reversed(range(len(params)))))
+        self._reducer.register_hooks()
+
+        total = sum(p.numel() * p.element_size() for p in params)
+        logger.info("Applied DistributedDataParallel to %s: %d parameters, %.2f MiB of "
+                    "gradients in %d buckets (cap %.2f MiB, first %.2f MiB), world size %d, "
+                    "find_unused_parameters=%s, gradient_as_bucket_view=%s",
+                    type(module).__name__, len(params), total / _MB, len(self._buckets),
+                    self.bucket_policy.bucket_bytes / _MB,
+                    self.bucket_policy.first_bucket_bytes / _MB, self.process_group.size,
+                    self.find_unused_parameters, self.gradient_as_bucket_view)
+
+    # -- construction helpers ------------------------------------------------------------------
+
+    def _parameters_to_reduce(self):
+        """Parameters that require grad, deduplicated by identity (tied weights once)."""
+        params, names, seen = [], [], set()
+        for module_name, submodule in self.module.named_modules():
+            for param_name, param in submodule.named_parameters(recurse=False):
+                name = _qualified(module_name, param_name)
+                if not param.requires_grad or name in self.parameters_to_ignore:
+                    continue
+                if isinstance(param, nn.parameter.UninitializedParameter):
+                    raise RuntimeError(
+                        "Modules with uninitialized parameters can't be used with "
+                        "`DistributedDataParallel`. Run a dummy forward pass to correctly "
+                        f"initialize the modules (parameter {name!r} is uninitialized)")
+                if id(param) in seen:
+                    continue
+                seen.add(id(param))
+                params.append(param)
+                names.append(name)
+        if not params:
+            raise RuntimeError("DistributedDataParallel is not needed when a module doesn't "
+                               "have any parameter that requires a gradient.")
+        for module_name, submodule in self.module.named_modules():
+            if isinstance(submodule, (nn.Embedding, nn.EmbeddingBag)) and submodule.sparse:
+                raise NotImplementedError(
+                    f"{type(submodule).__name__} {module_name or '(root)'!r} has sparse=True; "
+                    f"dptc's DistributedDataParallel reduces dense gradients only. Construct it "
+                    f"with sparse=False (the default)")
+        return params, names
+
+    def _named_buffers(self):
+        return [(name, buffer) for name, buffer in self.module.named_buffers()
+                if name not in self.parameters_to_ignore]
+
+    def _sync_module_states(self, broadcast_buffers):
+        states = [(name, p) for name, p in self.module.named_parameters()
+                  if name not in self.parameters_to_ignore]
+        if broadcast_buffers:
+            states += self._named_buffers()
+        _broadcast_coalesced([t for _, t in states], self.process_group,
+                             names=[f"parameter or buffer {n!r}" for n, _ in states])
+
+    def _install_buckets(self, order):
+        """Allocates buckets for `order` and hands them to the reducer (no-op if unchanged)."""
+        nbytes = [p.numel() * p.element_size() for p in self._params]
+        dtypes = [p.dtype for p in self._params]
+        assignment = assign_buckets(nbytes, dtypes, order, self.bucket_policy)
+        if assignment == self._assignment:
+            return False
+        buckets = []
+        for members in assignment:
+            dtype = self._params[members[0]].dtype
+            tensor = torch.zeros(sum(self._params[i].numel() for i in members), dtype=dtype)
+            views, offset = [], 0
+            for i in members:
+                numel = self._params[i].numel()
+                views.append(tensor[offset:offset + numel].view(self._params[i].shape))
+                offset += numel
+            buckets.append((tensor, members, views))
+        self._buckets = buckets
+        self._assignment = assignment
+        self._push_buckets()
+        if self.gradient_as_bucket_view:
+            self._point_grads_at_buckets()
+        if _DEBUG:
+            for k, (tensor, members, _) in enumerate(buckets):
+                logger.debug("DDP bucket %d: %s x %d (%d bytes): %s", k, tensor.dtype,
+                             tensor.numel(), tensor.numel() * tensor.element_size(),
+                             ", ".join(self._param_names[i] for i in members))
+        return True
+
+    def _push_buckets(self):
+        compress = {COMM_FP16: torch.float16,
+                    COMM_BF16: torch.bfloat16}.get(self._comm_mode)
+        entries = []
+        for tensor, members, views in self._buckets:
+            comm, comm_code = None, None
+            if compress is not None and tensor.dtype in (torch.float32, torch.float64):
+                comm = torch.empty(tensor.numel(), dtype=compress)
+                comm_code = dtype_code(compress)
+            entries.append((tensor, dtype_code(tensor.dtype), list(members), list(views),
+                            comm, comm_code))
+        self._reducer.set_buckets(entries, self._comm_mode)
+
+    def _point_grads_at_buckets(self):
+        """gradient_as_bucket_view: existing grads move into the buckets and become views."""
+        with torch.no_grad():
+            for _, members, views in self._buckets:
+                for i, view in zip(members, views):
+                    param = self._params[i]
+                    if param.grad is not None and param.grad is not view:
+                        view.copy_(param.grad)
+                        param.grad = view
+
+    def _rebuild_buckets(self):
+        """Once, after the first synced backward: buckets follow rank 0's observed order.
+
+        See [Note: bucket launch order] in csrc/reducer.c.  As in torch, not with
+        find_unused_parameters (unless static_graph), where the order may change per step.
+        """
+        if self._buckets_rebuilt or (self.find_unused_parameters and not self.static_graph):
+            return
+        observed = self._reducer.observed_order
+        if observed is None:
+            return
+        self._buckets_rebuilt = True
+        seen = set(observed)
+        order = observed + [i for i in reversed(range(len(self._params))) if i not in seen]
+        if self.process_group.size > 1:
+            shared = torch.tensor(order, dtype=torch.int64)
+            broadcast(shared, 0, group=self.process_group)
+            order = shared.tolist()
+        if self._install_buckets(order):
+            logger.info("DistributedDataParallel buckets rebuilt from the first backward's "
+                        "order: %d buckets", len(self._buckets))
+
+    # -- per step --------------------------------------------------------------------------
+
+    def will_sync_module_buffers(self):
+        return (self.require_forward_param_sync and self.broadcast_buffers
+                and any(True for _ in self._named_buffers()))
+
+    def _sync_buffers(self):
+        named = self._named_buffers()
+        buffers = [buffer for _, buffer in named]
+        preserve = getattr(torch.autograd, "_unsafe_preserve_version_counter", None)
+        context = preserve(tuple(buffers)) if preserve else contextlib.nullcontext()
+        with context:
+            _broadcast_coalesced(buffers, self.process_group,
+                                 names=[f"buffer {n!r}" for n, _ in named])
+
+    def forward(self, *inputs, **kwargs):
+        grad_enabled = torch.is_grad_enabled()
+        if grad_enabled:
+            self._rebuild_buckets()
+        if self.process_group.size > 1 and self.will_sync_module_buffers():
+            self._sync_buffers()
+        sync = grad_enabled and self.require_backward_grad_sync
+        self._reducer.prepare_for_backward(sync)
+        output = self.module(*inputs, **kwargs)
+        self.require_forward_param_sync = sync
+        return output
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Disables gradient averaging inside the context: grads accumulate locally and are
+        averaged by the first synced backward after it.  Run forward inside the context."""
+        old = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = old
+
+    def register_comm_hook(self, state, hook):
+        """Chooses how buckets are communicated.
+
+        Runs natively (no Python per bucket): dptc.comm_hooks.allreduce_hook,
+        fp16_compress_hook and bf16_compress_hook, and torch's default_hooks functions of the
+        same names.  state must be None or the DDP's process group.  Other hooks raise
+        NotImplementedError: dptc does not run arbitrary Python hooks yet.
+        """
+        if not callable(hook):
+            raise TypeError(f"hook must be callable, got {type(hook).__name__}")
+        mode = native_mode(hook)
+        if mode is None:
+            name = getattr(hook, "__qualname__", repr(hook))
+            raise NotImplementedError(
+                f"register_comm_hook: dptc runs allreduce_hook, fp16_compress_hook and "
+                f"bf16_compress_hook (from dptc.comm_hooks or torch's default_hooks) natively; "
+                f"the Python hook {name} is not supported yet. Use one of those three, or "
+                f"torch's DistributedDataParallel for custom hooks.")
+        if self._comm_hook is not None:
+            raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be "
+                               "called once.")
+        if state is not None and resolve(state, "state") is not self.process_group:
+            raise ValueError(f"register_comm_hook: state must be None or the process group "
+                             f"this DistributedDataParallel reduces over, got {state!r}")
+        self._comm_hook = hook
+        if mode != self._comm_mode:
+            self._comm_mode = mode
+            self._push_buckets()
+        logger.info("DistributedDataParallel communication hook: %s",
+                    getattr(hook, "__qualname__", hook))
+
+    def _set_static_graph(self):
+        """Older spelling of static_graph=True; accepted (runs like the default path)."""
+        self.static_graph = True
+
+    def _reducer_stats(self):
+        """Counters of the C reducer: steps, buckets, launches during/after backward, wait s."""
+        return self._reducer.stats
+
+
+def _check_unsupported(delay_all_reduce_named_params, param_to_hook_all_reduce,
+                       mixed_precision, process_group, device_mesh):
+    if (delay_all_reduce_named_params is None) != (param_to_hook_all_reduce is None):
+        raise ValueError("delay_all_reduce_named_params and param_to_hook_all_reduce need to be "
+                         "set at the same time.")
+    if delay_all_reduce_named_params is not None:
+        raise NotImplementedError(
+            "delay_all_reduce_named_params/param_to_hook_all_reduce are not supported by dptc's "
+            "DistributedDataParallel; leave them None (every parameter is then reduced in "
+            "buckets during backward)")
+    if mixed_precision is not None:
+        raise NotImplementedError(
+            "mixed_precision is not supported by dptc's DistributedDataParallel; train under "
+            "torch.autocast instead (the gradients stay in the parameters' dtype)")
+    if process_group is not None and device_mesh is not None:
+        raise RuntimeError("Cannot specify both process_group and device_mesh arguments.")
+    if device_mesh is not None:
+        raise NotImplementedError(
+            "device_mesh is not supported by dptc's DistributedDataParallel; pass "
+            "process_group=None (the default group) instead")
+
+
+def _check_devices(params, names, device_ids, output_device):
+    devices = {p.device for p in params}
+    if any(device.type != "cpu" for device in devices):
+        raise NotImplementedError(
+            f"dptc's DistributedDataParallel supports CPU modules for now, but the module's "
+            f"parameters are on {sorted(str(d) for d in devices)}; move the module to the CPU "
+            f"or use torch's DistributedDataParallel for GPU modules")
+    if device_ids or output_device is not None:
+        raise ValueError(
+            "DistributedDataParallel device_ids and output_device arguments only work with "
+            f"GPU modules; for a CPU module leave them None, but got device_ids {device_ids}, "
+            f"output_device {output_device}")
+
+
+DDP = DistributedDataParallel

@@ -1,0 +1,378 @@
+"""DDP's errors: argument validation, unused parameters, interrupted backward passes.
+
+Layers:
+- no process group: the bucket policy and the bucket assignment (pure functions);
+- one rank: every constructor argument that dptc refuses or checks, and register_comm_hook;
+- two ranks: a parameter without a gradient (on every rank, or on one rank only) must raise a
+  RuntimeError naming the parameter and find_unused_parameters=True on every rank, quickly
+  (well under DPTC_TIMEOUT), not hang; a backward pass interrupted on one rank must make every
+  rank raise too.
+
+The rank-side bodies are the functions at the bottom of this file (run by tests/_rank.py).
+"""
+
+import os
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tests._launch import run_ranks
+
+# The harness sets DPTC_TIMEOUT=30; errors must arrive long before that.
+FAST_S = 10.0
+RUN_TIMEOUT_S = 120
+
+
+# ---------------------------------------------------------------------------------------------
+# Layer 1: no process group
+
+def test_bucket_policy_validates_bucket_cap_mb():
+    from dptc.ddp import BucketPolicy
+    for bad in (0, -1, -0.5, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="bucket_cap_mb must be > 0"):
+            BucketPolicy.create(bad)
+    for bad in ("25", True, [25]):
+        with pytest.raises(TypeError, match="bucket_cap_mb"):
+            BucketPolicy.create(bad)
+    with pytest.raises(ValueError, match="bucket_cap_mb_list entry"):
+        BucketPolicy.create(None, [1, 0])
+
+
+def test_bucket_policy_first_bucket_is_small_only_by_default():
+    from dptc.ddp import BucketPolicy
+    default = BucketPolicy.create(None)
+    assert (default.limit(0), default.limit(1), default.limit(5)) == (1 << 20, 25 << 20, 25 << 20)
+    chosen = BucketPolicy.create(4)
+    assert (chosen.limit(0), chosen.limit(1)) == (4 << 20, 4 << 20)
+    per_bucket = BucketPolicy.create(None, [1, 2, 3])
+    assert [per_bucket.limit(k) for k in range(5)] == [1 << 20, 2 << 20, 3 << 20, 3 << 20, 3 << 20]
+
+
+def test_assign_buckets_orders_by_readiness_and_splits_dtypes():
+    from dptc.ddp import BucketPolicy, assign_buckets
+    policy = BucketPolicy(bucket_bytes=100, first_bucket_bytes=40)
+    nbytes = [30, 30, 30, 60, 60, 8]
+    dtypes = [torch.float32] * 5 + [torch.float64]
+    order = [5, 4, 3, 2, 1, 0]
+    buckets = assign_buckets(nbytes, dtypes, order, policy)
+    # float32: [4] closes at 60 >= 40 (first), then [3, 2, 1] at 120 >= 100, then [0];
+    # the lone float64 parameter is its own bucket, ready first.
+    assert buckets == [[5], [4], [3, 2, 1], [0]]
+    assert sorted(i for bucket in buckets for i in bucket) == list(range(6))
+    assert all(len({dtypes[i] for i in bucket}) == 1 for bucket in buckets)
+
+
+# ---------------------------------------------------------------------------------------------
+# Layer 2: one rank
+
+def test_constructor_validation():
+    results = run_ranks("tests.test_ddp_errors:validation_cases", 1, timeout=RUN_TIMEOUT_S)[0]
+    expected = {
+        "bucket_cap_mb_zero": ("ValueError", "bucket_cap_mb must be > 0, got 0"),
+        "bucket_cap_mb_negative": ("ValueError", "bucket_cap_mb must be > 0, got -5"),
+        "bucket_cap_mb_string": ("TypeError", "bucket_cap_mb"),
+        "device_ids_on_cpu": ("ValueError", "device_ids"),
+        "output_device_on_cpu": ("ValueError", "output_device"),
+        "mixed_precision": ("NotImplementedError", "torch.autocast"),
+        "delay_all_reduce_alone": ("ValueError", "set at the same time"),
+        "delay_all_reduce": ("NotImplementedError", "delay_all_reduce_named_params"),
+        "device_mesh": ("NotImplementedError", "device_mesh"),
+        "process_group_and_device_mesh": ("RuntimeError", "process_group and device_mesh"),
+        "bad_process_group": ("TypeError", "process_group"),
+        "no_trainable_parameters": ("RuntimeError", "doesn't have any parameter"),
+        "not_a_module": ("TypeError", "torch.nn.Module"),
+        "unsupported_dtype": ("TypeError", "complex64"),
+        "custom_comm_hook": ("NotImplementedError", "not supported yet"),
+        "comm_hook_twice": ("RuntimeError", "only be called once"),
+        "comm_hook_foreign_state": ("TypeError", "state"),
+        "check_reduction_warns": ("FutureWarning", "check_reduction"),
+        "sparse_embedding": ("NotImplementedError", "sparse=True"),
+        "converted_after_wrapping": ("RuntimeError", "before wrapping"),
+    }
+    problems = []
+    for case, (error_type, fragment) in expected.items():
+        got = results.get(case)
+        if got is None:
+            problems.append(f"{case}: not run")
+        elif got["type"] != error_type or fragment not in got["message"]:
+            problems.append(f"{case}: expected {error_type} mentioning {fragment!r}, got "
+                            f"{got['type']}: {got['message']}")
+    assert not problems, "\n".join(problems)
+    # Accepted as torch accepts them.
+    for case in ("static_graph", "skip_all_reduce_unused_params", "torch_default_group",
+                 "torch_hooks_by_identity", "bucket_cap_mb_list", "init_sync_false"):
+        assert results[case] == {"type": None, "message": ""}, (case, results[case])
+
+
+def test_dropped_wrapper_unregisters_its_hooks():
+    """A DDP that is garbage must stop reducing: its hooks leave the parameters, and the module
+    trains on its own (or under a new wrapper) without it."""
+    counts = run_ranks("tests.test_ddp_errors:lifecycle_case", 1, timeout=RUN_TIMEOUT_S)[0]
+    assert counts == {"wrapped": 1, "dropped": 0, "rewrapped": 1}, counts
+
+
+# ---------------------------------------------------------------------------------------------
+# Layer 3: two ranks
+
+@pytest.mark.parametrize("impl", ["dptc", "torch"])
+def test_unused_parameter_on_every_rank_raises(impl):
+    """Same model code everywhere: torch raises at the next forward, dptc at the end of the
+    backward; both a RuntimeError naming find_unused_parameters=True, on every rank."""
+    results = run_ranks("tests.test_ddp_errors:unused_case", 2,
+                        args={"impl": impl, "unused_on": [0, 1]}, timeout=RUN_TIMEOUT_S)
+    for rank, outcome in enumerate(results):
+        assert outcome["raised"], f"rank {rank} did not raise: {outcome}"
+        assert outcome["type"] == "RuntimeError", outcome
+        assert "find_unused_parameters=True" in outcome["message"], outcome
+        assert outcome["seconds"] < FAST_S, outcome
+        if impl == "dptc":
+            assert (outcome["step"], outcome["phase"]) == (0, "backward"), outcome
+            assert "unused.weight" in outcome["message"], outcome
+
+
+def test_unused_parameter_on_one_rank_raises_everywhere():
+    """Rank 1 skips a layer that rank 0 uses: rank 0 launches a bucket that rank 1 never will.
+    Rank 1 names the parameter; rank 0, blocked in that all-reduce, raises a DistError carrying
+    rank 1's message — within seconds, not after DPTC_TIMEOUT."""
+    results = run_ranks("tests.test_ddp_errors:unused_case", 2,
+                        args={"impl": "dptc", "unused_on": [1]}, timeout=RUN_TIMEOUT_S)
+    detector, waiter = results[1], results[0]
+    assert detector["raised"] and detector["type"] == "RuntimeError", detector
+    assert "unused.weight" in detector["message"], detector
+    assert "find_unused_parameters=True" in detector["message"], detector
+    assert waiter["raised"], waiter
+    assert "DistError" in waiter["mro"] and "RuntimeError" in waiter["mro"], waiter
+    assert "find_unused_parameters=True" in waiter["message"], waiter
+    for outcome in results:
+        assert outcome["step"] == 0 and outcome["seconds"] < FAST_S, outcome
+
+
+def test_interrupted_backward_raises_everywhere():
+    """An exception on rank 1 in the middle of a synced backward (after some buckets were
+    launched): rank 1 sees it, and its next forward refuses to go on; rank 0, waiting for
+    buckets rank 1 will never launch, fails fast instead of timing out."""
+    results = run_ranks("tests.test_ddp_errors:interrupted_case", 2, timeout=RUN_TIMEOUT_S)
+    waiter, failing = results
+    assert failing["first"]["message"] == "injected failure", failing
+    assert failing["second"]["type"] == "RuntimeError", failing
+    assert "interrupted" in failing["second"]["message"], failing
+    assert "DistError" in waiter["first"]["mro"], waiter
+    for outcome in results:
+        assert outcome["seconds"] < FAST_S, outcome
+
+
+# ---------------------------------------------------------------------------------------------
+# Rank side
+
+class _MaybeUnused(nn.Module):
+    """fc -> out, plus a layer `unused` that runs only on the ranks not in `skip_on`."""
+
+    def __init__(self, skip_on=()):
+        super().__init__()
+        self.fc = nn.Linear(8, 16)
+        self.unused = nn.Linear(16, 16)
+        self.out = nn.Linear(16, 4)
+        self.skip_on = tuple(skip_on)
+
+    def forward(self, x):
+        h = torch.relu(self.fc(x))
+        if int(os.environ["RANK"]) not in self.skip_on:
+            h = h + self.unused(h)
+        return self.out(h)
+
+
+def _ddp_class(impl):
+    if impl == "dptc":
+        import dptc
+        return dptc.DistributedDataParallel
+    return torch.nn.parallel.DistributedDataParallel
+
+
+def _init(impl):
+    from tests._rank import load_impl
+    if impl == "torch":
+        load_impl("torch")
+    else:
+        import dptc
+        dptc.init_process_group()
+
+
+def _finish():
+    import dptc
+    if dptc.is_initialized():
+        dptc.destroy_process_group()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def _describe(error):
+    return {"type": type(error).__name__, "message": str(error),
+            "mro": [cls.__name__ for cls in type(error).__mro__]}
+
+
+def validation_cases():
+    """Runs each refused/checked constructor argument; returns {case: {type, message}}."""
+    import warnings
+
+    import dptc
+    import dptc.comm_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    dptc.init_process_group()
+    DDP = dptc.DistributedDataParallel
+
+    def model():
+        return nn.Linear(4, 4)
+
+    def custom_hook(state, bucket):
+        return bucket.buffer()
+
+    def hook_twice():
+        ddp = DDP(model())
+        ddp.register_comm_hook(None, dptc.comm_hooks.allreduce_hook)
+        ddp.register_comm_hook(None, dptc.comm_hooks.fp16_compress_hook)
+
+    def check_reduction():
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            DDP(model(), check_reduction=True)
+
+    def torch_hooks():
+        for hook in (default_hooks.allreduce_hook, default_hooks.fp16_compress_hook,
+                     default_hooks.bf16_compress_hook):
+            DDP(model()).register_comm_hook(None, hook)
+
+    def converted_after_wrapping():
+        ddp = DDP(model()).double()
+        ddp(torch.randn(2, 4, dtype=torch.float64)).sum().backward()
+
+    frozen = model().requires_grad_(False)
+    cases = {
+        "bucket_cap_mb_zero": lambda: DDP(model(), bucket_cap_mb=0),
+        "bucket_cap_mb_negative": lambda: DDP(model(), bucket_cap_mb=-5),
+        "bucket_cap_mb_string": lambda: DDP(model(), bucket_cap_mb="25"),
+        "device_ids_on_cpu": lambda: DDP(model(), device_ids=[0]),
+        "output_device_on_cpu": lambda: DDP(model(), output_device=0),
+        "mixed_precision": lambda: DDP(model(), mixed_precision=object()),
+        "delay_all_reduce_alone": lambda: DDP(model(), delay_all_reduce_named_params=[]),
+        "delay_all_reduce": lambda: DDP(model(), delay_all_reduce_named_params=[],
+                                        param_to_hook_all_reduce=object()),
+        "device_mesh": lambda: DDP(model(), device_mesh=object()),
+        "process_group_and_device_mesh": lambda: DDP(model(), process_group=object(),
+                                                     device_mesh=object()),
+        "bad_process_group": lambda: DDP(model(), process_group="world"),
+        "no_trainable_parameters": lambda: DDP(frozen),
+        "not_a_module": lambda: DDP(lambda x: x),
+        "unsupported_dtype": lambda: DDP(nn.Linear(2, 2).to(torch.complex64)),
+        "custom_comm_hook": lambda: DDP(model()).register_comm_hook(None, custom_hook),
+        "comm_hook_twice": hook_twice,
+        "comm_hook_foreign_state": lambda: DDP(model()).register_comm_hook(
+            "not a group", dptc.comm_hooks.allreduce_hook),
+        "check_reduction_warns": check_reduction,
+        "sparse_embedding": lambda: DDP(nn.Embedding(10, 4, sparse=True)),
+        "converted_after_wrapping": converted_after_wrapping,
+        "static_graph": lambda: DDP(model(), static_graph=True),
+        "skip_all_reduce_unused_params": lambda: DDP(model(), find_unused_parameters=True,
+                                                     skip_all_reduce_unused_params=True),
+        "torch_default_group": lambda: DDP(model(),
+                                           process_group=torch.distributed.group.WORLD),
+        "torch_hooks_by_identity": torch_hooks,
+        "bucket_cap_mb_list": lambda: DDP(model(), bucket_cap_mb_list=[1, 4]),
+        "init_sync_false": lambda: DDP(model(), init_sync=False),
+    }
+    results = {}
+    for name, case in cases.items():
+        try:
+            case()
+            results[name] = {"type": None, "message": ""}
+        except Exception as error:  # noqa: BLE001 - the error is the result
+            results[name] = {"type": type(error).__name__, "message": str(error)}
+    _finish()
+    return results
+
+
+def lifecycle_case():
+    """Hooks per parameter while wrapped, after the wrapper is dropped, and after rewrapping."""
+    import gc
+
+    import dptc
+    dptc.init_process_group()
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+
+    def hooks():
+        return max(len(p._post_accumulate_grad_hooks or {}) for p in model.parameters())
+
+    ddp = dptc.DistributedDataParallel(model)
+    ddp(torch.randn(3, 4)).sum().backward()
+    counts = {"wrapped": hooks()}
+    del ddp
+    gc.collect()
+    counts["dropped"] = hooks()
+    model(torch.randn(3, 4)).sum().backward()
+    ddp = dptc.DistributedDataParallel(model)
+    ddp(torch.randn(3, 4)).sum().backward()
+    counts["rewrapped"] = hooks()
+    _finish()
+    return counts
+
+
+def unused_case(impl, unused_on, steps=3):
+    """Trains _MaybeUnused (skipping `unused` on the ranks in unused_on) without
+    find_unused_parameters; returns the first error: step, phase, type, message, seconds."""
+    from tests._rank import start_clock
+    _init(impl)
+    torch.manual_seed(0)
+    ddp = _ddp_class(impl)(_MaybeUnused(skip_on=unused_on))
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    outcome = {"raised": False}
+    start_clock()
+    began = time.perf_counter()
+    for step in range(steps):
+        phase = "forward"
+        try:
+            output = ddp(torch.randn(4, 8))
+            phase = "backward"
+            output.square().mean().backward()
+            phase = "step"
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        except Exception as error:  # noqa: BLE001 - the error is the result
+            outcome = {"raised": True, "step": step, "phase": phase,
+                       "seconds": time.perf_counter() - began, **_describe(error)}
+            break
+    _finish()
+    return outcome
+
+
+def interrupted_case():
+    """Rank 1's backward raises after its last layer's gradient bucket was launched."""
+    import dptc
+    dptc.init_process_group()
+    rank = int(os.environ["RANK"])
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                          nn.Linear(64, 4))
+    # One bucket per parameter: the last layer's buckets launch before the failure.
+    ddp = dptc.DistributedDataParallel(model, bucket_cap_mb=1e-6)
+    began = time.perf_counter()
+    result = {}
+
+    def fail(grad):
+        raise ValueError("injected failure")
+
+    for attempt in ("first", "second"):
+        try:
+            output = ddp(torch.randn(4, 8))
+            if rank == 1 and attempt == "first":
+                # A hook on the first layer's weight gradient runs after the later layers'.
+                ddp.module[0].weight.register_hook(fail)
+            output.square().mean().backward()
+            result[attempt] = {"type": None, "message": "", "mro": []}
+        except Exception as error:  # noqa: BLE001 - the error is the result
+            result[attempt] = _describe(error)
+    result["seconds"] = time.perf_counter() - began
+    _finish()
+    return result

@@ -1,0 +1,146 @@
+"""The C reducer's own behaviour, which the DDP equivalence tests (tests/test_ddp.py) cannot pin
+down because tolerances or timing hide it.
+
+Layer: one and two ranks (tests/_launch.py run_ranks); rank-side bodies at the bottom.
+- The compression hooks round exactly like torch's casts: every float16/bfloat16 bit pattern,
+  every tie between neighbours, subnormals, overflow to infinity, NaN.  With one rank the
+  all-reduce is the identity, so .grad must equal grad.to(16 bits).to(float32) bit for bit.
+- Buckets are rebuilt once, from the order gradients arrived in the first backward, and the
+  rebuilt assignment is the same on every rank (rank 0's order).
+- Buckets are launched during backward, not only at its end (the overlap DDP exists for).
+"""
+
+import os
+
+import torch
+import torch.nn as nn
+
+from tests._launch import run_ranks
+
+RUN_TIMEOUT_S = 120
+
+
+def test_compression_rounds_like_torch():
+    mismatches = run_ranks("tests.test_ddp_reducer:compression_case", 1,
+                           timeout=RUN_TIMEOUT_S)[0]
+    assert mismatches == {"fp16": [], "bf16": []}, mismatches
+
+
+def test_buckets_rebuilt_once_from_rank0_order():
+    results = run_ranks("tests.test_ddp_reducer:rebuild_case", 2, timeout=RUN_TIMEOUT_S)
+    for rank, result in enumerate(results):
+        assert result["initial"] != result["rebuilt"], result
+        # One bucket per layer.  Before the rebuild the last defined layer (parameters 10,
+        # 11) is expected first; layer 0 runs last in forward, so its gradients (0, 1) arrive
+        # first, and the rebuilt assignment starts with it.
+        assert sorted(result["initial"][0]) == [10, 11], result
+        assert sorted(result["rebuilt"][0]) == [0, 1], result
+        assert sorted(result["rebuilt"][-1]) == [10, 11], result
+        assert result["after_more_steps"] == result["rebuilt"], result
+    assert results[0]["rebuilt"] == results[1]["rebuilt"]
+    assert results[0]["params"] == results[1]["params"]
+
+
+def test_buckets_launch_during_backward():
+    results = run_ranks("tests.test_ddp_reducer:overlap_case", 2, timeout=RUN_TIMEOUT_S)
+    for stats in results:
+        assert stats["steps"] == 3, stats
+        # 6 buckets per step; only the last one can wait for the end of backward.
+        assert stats["launched_in_backward"] == 18, stats
+        assert stats["launched_at_end"] == 0, stats
+
+
+# ---------------------------------------------------------------------------------------------
+# Rank side
+
+def _float_cases(dtype):
+    """float32 values: every `dtype` value, the midpoints between neighbours (ties), values
+    just around them, random floats over the whole exponent range, and specials."""
+    patterns = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    exact = patterns.view(dtype).to(torch.float32)
+    finite = exact[torch.isfinite(exact)].unique()
+    middle = (finite[:-1].double() + finite[1:].double()) / 2
+    ties = middle.float()
+    near = torch.cat([torch.nextafter(ties, torch.full_like(ties, float("inf"))),
+                      torch.nextafter(ties, torch.full_like(ties, float("-inf")))])
+    generator = torch.Generator().manual_seed(0)
+    bits = torch.randint(-2 ** 31, 2 ** 31, (200_000,), generator=generator, dtype=torch.int64)
+    random = bits.to(torch.int32).view(torch.float32)
+    specials = torch.tensor([0.0, -0.0, 65504.0, 65519.99, 65520.0, -65520.0, 1e10, -1e10,
+                             2.0 ** -24, 2.0 ** -25, 3 * 2.0 ** -26, 2.0 ** -14, 1e-45,
+                             float("inf"), float("-inf"), float("nan")])
+    return torch.cat([exact, ties, near, random, specials])
+
+
+def compression_case():
+    """Returns, per hook, up to 10 inputs where dptc's round trip differs from torch's cast."""
+    import dptc
+    import dptc.comm_hooks as hooks
+    dptc.init_process_group()
+    mismatches = {}
+    for name, dtype, hook in (("fp16", torch.float16, hooks.fp16_compress_hook),
+                              ("bf16", torch.bfloat16, hooks.bf16_compress_hook)):
+        values = _float_cases(dtype)
+        weight = nn.Parameter(torch.zeros(values.numel()))
+        holder = nn.Module()
+        holder.weight = weight
+        holder.forward = lambda: (weight * values).sum()
+        ddp = dptc.DistributedDataParallel(holder)
+        ddp.register_comm_hook(None, hook)
+        ddp().backward()
+        got = weight.grad
+        want = values.to(dtype).to(torch.float32)
+        same = (got.view(torch.int32) == want.view(torch.int32)) | (got.isnan() & want.isnan())
+        bad = (~same).nonzero().flatten()[:10]
+        mismatches[name] = [(values[i].item(), got[i].item(), want[i].item()) for i in bad]
+    dptc.destroy_process_group()
+    return mismatches
+
+
+class _Reversed(nn.Module):
+    """Six layers applied in reverse order of definition."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(32, 32) for _ in range(6))
+
+    def forward(self, x):
+        for layer in reversed(self.layers):
+            x = torch.tanh(layer(x))
+        return x
+
+
+def rebuild_case():
+    import dptc
+    dptc.init_process_group()
+    rank = int(os.environ["RANK"])
+    torch.manual_seed(0)
+    model = _Reversed()
+    ddp = dptc.DistributedDataParallel(model, bucket_cap_mb=4 * 32 * 33 / 2 ** 20)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    result = {"initial": ddp._assignment}
+    generator = torch.Generator().manual_seed(rank)
+    for step in range(4):
+        ddp(torch.randn(4, 32, generator=generator)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if step == 1:
+            result["rebuilt"] = ddp._assignment
+    result["after_more_steps"] = ddp._assignment
+    result["params"] = [p.detach().flatten().tolist() for p in model.parameters()]
+    dptc.destroy_process_group()
+    return result
+
+
+def overlap_case():
+    import dptc
+    dptc.init_process_group()
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])
+    # One bucket per layer (weight + bias = 16.6 KB; the cap closes a bucket at 16 KB).
+    ddp = dptc.DistributedDataParallel(model, bucket_cap_mb=16 * 1024 / 2 ** 20)
+    for _ in range(3):
+        ddp(torch.randn(8, 64)).sum().backward()
+    stats = ddp._reducer_stats()
+    dptc.destroy_process_group()
+    return stats
