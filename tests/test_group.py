@@ -1,0 +1,66 @@
+"""Process groups: initialisation paths, re-initialisation, deadlines, error types."""
+
+import subprocess
+import sys
+
+import pytest
+
+from tests._launch import REPO_ROOT, run_ranks
+
+
+def test_error_types_form_a_hierarchy():
+    import dptc
+    assert issubclass(dptc.DistError, RuntimeError)
+    assert issubclass(dptc.DistTimeoutError, dptc.DistError)
+    assert issubclass(dptc.DistTimeoutError, TimeoutError)
+    assert issubclass(dptc.PeerLostError, dptc.DistError)
+    assert issubclass(dptc.CollectiveMismatchError, dptc.DistError)
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "soon"])
+def test_bad_timeout_is_refused(value, monkeypatch):
+    from dptc import group
+    monkeypatch.setenv("DPTC_TIMEOUT", value)
+    with pytest.raises(ValueError, match="DPTC_TIMEOUT|timeout"):
+        group._timeout_seconds(None)
+
+
+def test_stuck_peer_raises_timeout_within_deadline():
+    timeout = 3.0
+    results = run_ranks("tests.workers_group:stuck_peer", 2, args={"stall": timeout + 6},
+                        env={"DPTC_TIMEOUT": str(timeout)}, expect_failure=True, timeout=60)
+    waiting = results[0]
+    assert waiting["error_type"] == "DistTimeoutError", waiting
+    assert timeout <= waiting["elapsed"] < timeout + 2.0, waiting["elapsed"]
+    assert "global rank 1" in waiting["error"], waiting["error"]
+
+
+@pytest.mark.parametrize("use_torch_init", [False, True])
+def test_init_destroy_and_reinit(use_torch_init):
+    results = run_ranks("tests.workers_group:reinit_and_info", 3,
+                        args={"use_torch_init": use_torch_init}, timeout=90)
+    for rank, r in enumerate(results):
+        assert r["initialized_before"] is False
+        assert (r["rank"], r["size"], r["initialized_after"]) == (rank, 3, True)
+        assert r["layout"] == [0, 1, rank, 3]
+        assert r["sums"] == [6.0, False, 6.0, False]
+        assert r["torch_initialized_at_end"] is use_torch_init
+
+
+def test_work_wait_accepts_timedelta():
+    results = run_ranks("tests.workers_group:wait_with_timedelta", 2, timeout=60)
+    assert results == [[True, True, 2.0]] * 2
+
+
+def test_single_process_without_torchrun():
+    code = ("import json, tests.workers_group as w; print('RESULT', json.dumps("
+            "w.single_process()))")
+    env = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT")][0]
+    size, reduced, gathered = __import__("json").loads(line.split(" ", 1)[1])
+    assert size == 1
+    assert reduced == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    assert gathered == reduced

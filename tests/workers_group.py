@@ -1,0 +1,66 @@
+"""Rank-side functions for tests/test_group.py: the process-group layer."""
+
+import datetime
+import os
+import time
+
+import torch
+
+from tests._rank import start_clock
+
+
+def stuck_peer(stall: float):
+    """Rank 1 stays alive but never arrives; rank 0 must raise DistTimeoutError in time."""
+    import dptc
+    rank = dptc.get_rank()
+    dptc.all_reduce(torch.ones(4))
+    if rank == 1:
+        time.sleep(stall)
+        return "slept"
+    start_clock()
+    dptc.all_reduce(torch.ones(4))
+    return "completed"
+
+
+def reinit_and_info(use_torch_init: bool):
+    """Rank/size queries, destroy and a second initialisation with a working engine."""
+    import torch.distributed as dist
+    import dptc
+    if use_torch_init:
+        dist.init_process_group("gloo")
+    results = {"initialized_before": dptc.is_initialized()}
+    results["rank"], results["size"] = dptc.get_rank(), dptc.get_world_size()
+    results["initialized_after"] = dptc.is_initialized()
+    pg = dptc.group.default_group()
+    results["layout"] = [pg.node, pg.nnodes, pg.local_rank, pg.local_size]
+    sums = []
+    for _ in range(2):
+        t = torch.full((5,), float(dptc.get_rank() + 1))
+        dptc.all_reduce(t)
+        sums.append(t[0].item())
+        dptc.destroy_process_group()
+        sums.append(dptc.is_initialized())
+    # torch.distributed stays as the script left it: dptc only tears down what it set up.
+    results["torch_initialized_at_end"] = dist.is_initialized()
+    results["sums"] = sums
+    return results
+
+
+def wait_with_timedelta():
+    import dptc
+    t = torch.ones(1000)
+    work = dptc.all_reduce(t, async_op=True)
+    done = work.wait(timeout=datetime.timedelta(seconds=10))
+    return [done, work.is_completed(), t[0].item()]
+
+
+def single_process():
+    """No torchrun environment at all: one rank, and every collective is an identity."""
+    import dptc
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        assert name not in os.environ, name
+    t = torch.arange(6, dtype=torch.float32)
+    dptc.all_reduce(t, op=dptc.ReduceOp.AVG)
+    out = torch.empty(6)
+    dptc.all_gather_into_tensor(out, t)
+    return [dptc.get_world_size(), t.tolist(), out.tolist()]
