@@ -105,6 +105,13 @@ typedef struct {
 /* ------------------------------------------------------------------ */
 /* Layout */
 
+/* memcpy that accepts the null pointers of empty tensors. */
+static void copy(void *dst, const void *src, size_t nbytes)
+{
+    if (nbytes)
+        memcpy(dst, src, nbytes);
+}
+
 static size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
 static size_t peers_offset(void) { return round_up(sizeof(shm_header), CACHE_LINE); }
@@ -362,7 +369,7 @@ static dptc_status all_reduce_small(shm_transport *s, const dptc_coll *c, uint64
                                     double deadline, dptc_error *err)
 {
     size_t bytes = c->count * dptc_dtype_size(c->dtype);
-    memcpy(slot_buffer(s, s->local_rank, s->rounds), c->input, bytes);
+    copy(slot_buffer(s, s->local_rank, s->rounds), c->input, bytes);
     CHECK(begin_round(s, c, seq, deadline, err));
     const void *srcs[64];
     for (int p = 0; p < s->local_size; p++)
@@ -392,7 +399,7 @@ static dptc_status all_reduce_large(shm_transport *s, const dptc_coll *c, uint64
         part = (part + CACHE_LINE - 1) / CACHE_LINE * CACHE_LINE;
         if (part > part_max)
             part = part_max;
-        memcpy(slot_buffer(s, s->local_rank, s->rounds), in + done * elsize, chunk * elsize);
+        copy(slot_buffer(s, s->local_rank, s->rounds), in + done * elsize, chunk * elsize);
         CHECK(begin_round(s, c, seq, deadline, err));
         first = 0;
         /* My part: [lo, hi) of this chunk. */
@@ -422,7 +429,7 @@ static dptc_status all_reduce_large(shm_transport *s, const dptc_coll *c, uint64
             if (phi > chunk)
                 phi = chunk;
             if (phi > plo)
-                memcpy(out + (done + plo) * elsize, slot_buffer(s, p, s->rounds) + plo * elsize,
+                copy(out + (done + plo) * elsize, slot_buffer(s, p, s->rounds) + plo * elsize,
                        (phi - plo) * elsize);
         }
         s->rounds++;
@@ -454,13 +461,13 @@ static dptc_status broadcast(shm_transport *s, const dptc_coll *c, uint64_t seq,
         size_t chunk = c->count - done < chunk_max ? c->count - done : chunk_max;
         unsigned char *staged = slot_buffer(s, root_local, s->rounds);
         if (is_root)
-            memcpy(staged, buf + done * elsize, chunk * elsize);
+            copy(staged, buf + done * elsize, chunk * elsize);
         if (s->bridge && s->local_rank == root_local && chunk > 0)
             CHECK(bridge(s, DPTC_BRIDGE_BROADCAST, c, staged, NULL, chunk, root_node, err));
         CHECK(begin_round(s, c, seq, deadline, err));
         first = 0;
         if (!is_root)
-            memcpy(buf + done * elsize, staged, chunk * elsize);
+            copy(buf + done * elsize, staged, chunk * elsize);
         s->rounds++;
         done += chunk;
     }
@@ -485,7 +492,7 @@ static dptc_status all_gather(shm_transport *s, const dptc_coll *c, uint64_t seq
         unsigned char *mine = slot_buffer(s, s->local_rank, s->rounds);
         /* Across nodes a slot holds [nnodes gathered windows of w][my window]. */
         unsigned char *staged = mine + (size_t)s->nnodes * window_max * elsize;
-        memcpy(s->bridge ? staged : mine, in + done * elsize, w * elsize);
+        copy(s->bridge ? staged : mine, in + done * elsize, w * elsize);
         if (s->bridge && w > 0)
             CHECK(bridge(s, DPTC_BRIDGE_ALL_GATHER, c, staged, mine, w, 0, err));
         CHECK(begin_round(s, c, seq, deadline, err));
@@ -493,7 +500,7 @@ static dptc_status all_gather(shm_transport *s, const dptc_coll *c, uint64_t seq
         for (int node = 0; node < s->nnodes; node++)
             for (int p = 0; p < s->local_size; p++) {
                 size_t g = (size_t)node * (size_t)s->local_size + (size_t)p;
-                memcpy(out + (g * c->count + done) * elsize,
+                copy(out + (g * c->count + done) * elsize,
                        slot_buffer(s, p, s->rounds) + (size_t)node * w * elsize,
                        w * elsize);
             }
@@ -521,7 +528,7 @@ static dptc_status reduce_scatter(shm_transport *s, const dptc_coll *c, uint64_t
         size_t w = c->count - done < window_max ? c->count - done : window_max;
         unsigned char *mine = slot_buffer(s, s->local_rank, s->rounds);
         for (int g = 0; g < n; g++)
-            memcpy(mine + (size_t)g * window_max * elsize,
+            copy(mine + (size_t)g * window_max * elsize,
                    in + ((size_t)g * c->count + done) * elsize, w * elsize);
         CHECK(begin_round(s, c, seq, deadline, err));
         first = 0;
@@ -542,7 +549,7 @@ static dptc_status reduce_scatter(shm_transport *s, const dptc_coll *c, uint64_t
             unsigned char *block = scratch + (size_t)s->node * w * elsize;
             if (scale != 1.0)
                 CHECK(dptc_scale(block, w, c->dtype, scale));
-            memcpy(out + done * elsize, block, w * elsize);
+            copy(out + done * elsize, block, w * elsize);
         }
         s->rounds++;
         done += w;
