@@ -72,8 +72,6 @@
 #include "engine.h"
 #include "module.h"
 
-/* Copies at least this large release the GIL. */
-#define RELEASE_GIL_BYTES ((size_t)64 * 1024)
 /* Names listed in an unused-parameter error before "and N more". */
 #define MAX_NAMES_IN_ERROR 16
 
@@ -335,26 +333,24 @@ static dptc_status tensor_numel(PyObject *tensor, size_t *out)
     return PyErr_Occurred() ? DPTC_ERR_PYTHON : DPTC_OK;
 }
 
+/* Every copy runs without the GIL, so other Python threads (and the bridge's
+ * cross-node step) run meanwhile. */
 static void copy_bytes(void *dst, const void *src, size_t nbytes)
 {
-    if (nbytes >= RELEASE_GIL_BYTES) {
-        Py_BEGIN_ALLOW_THREADS
-        memcpy(dst, src, nbytes);
-        Py_END_ALLOW_THREADS
-    } else if (nbytes) {
-        memcpy(dst, src, nbytes);
-    }
+    if (!nbytes)
+        return;
+    Py_BEGIN_ALLOW_THREADS
+    memcpy(dst, src, nbytes);
+    Py_END_ALLOW_THREADS
 }
 
 static void zero_bytes(void *dst, size_t nbytes)
 {
-    if (nbytes >= RELEASE_GIL_BYTES) {
-        Py_BEGIN_ALLOW_THREADS
-        memset(dst, 0, nbytes);
-        Py_END_ALLOW_THREADS
-    } else if (nbytes) {
-        memset(dst, 0, nbytes);
-    }
+    if (!nbytes)
+        return;
+    Py_BEGIN_ALLOW_THREADS
+    memset(dst, 0, nbytes);
+    Py_END_ALLOW_THREADS
 }
 
 /* Sets param.grad = value; value may be NULL for None. */
@@ -383,14 +379,9 @@ static dptc_status bucket_launch(ReducerObject *r, bucket *b, dptc_error *err)
     dptc_coll coll = {.op = DPTC_OP_ALL_REDUCE, .dtype = b->dtype, .redop = DPTC_AVG,
                       .input = b->data, .output = b->data, .count = b->count, .root = 0};
     if (b->comm_tensor) {
-        size_t nbytes = b->count * dptc_dtype_size(b->dtype);
-        if (nbytes >= RELEASE_GIL_BYTES) {
-            Py_BEGIN_ALLOW_THREADS
-            compress(b->comm_data, b->comm_dtype, b->data, b->dtype, b->count);
-            Py_END_ALLOW_THREADS
-        } else {
-            compress(b->comm_data, b->comm_dtype, b->data, b->dtype, b->count);
-        }
+        Py_BEGIN_ALLOW_THREADS
+        compress(b->comm_data, b->comm_dtype, b->data, b->dtype, b->count);
+        Py_END_ALLOW_THREADS
         coll.dtype = b->comm_dtype;
         coll.input = coll.output = b->comm_data;
     }
@@ -713,7 +704,7 @@ static dptc_status launch_unused(ReducerObject *r, dptc_error *err)
             s->saved = PyMem_RawMalloc(s->nbytes);
             if (!s->saved)
                 return dptc_fail(err, DPTC_ERR_NOMEM, "out of memory saving a gradient");
-            memcpy(s->saved, r->buckets[s->bucket].data + s->offset, s->nbytes);
+            copy_bytes(s->saved, r->buckets[s->bucket].data + s->offset, s->nbytes);
         }
     }
     if (r->nslots == 0)
@@ -787,7 +778,7 @@ static dptc_status write_back_python(ReducerObject *r)
         param_slot *s = &r->slots[i];
         if (!slot_globally_used(r, i)) {
             if (s->saved)
-                memcpy(r->buckets[s->bucket].data + s->offset, s->saved, s->nbytes);
+                copy_bytes(r->buckets[s->bucket].data + s->offset, s->saved, s->nbytes);
             continue;
         }
         if (s->grad_is_view)
