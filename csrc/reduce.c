@@ -698,3 +698,41 @@ dptc_status dptc_scale(void *buf, size_t count, dptc_dtype dtype,
     }
     return DPTC_OK;
 }
+
+/* ---- conversions (DDP's compression hooks) ---- */
+
+static int is_wide(dptc_dtype t) { return t == DPTC_FLOAT32 || t == DPTC_FLOAT64; }
+
+static int is_half(dptc_dtype t) { return t == DPTC_BFLOAT16 || t == DPTC_FLOAT16; }
+
+static float wide_at(const void *src, dptc_dtype t, size_t i)
+{
+    return t == DPTC_FLOAT32 ? ((const float *)src)[i] : (float)((const double *)src)[i];
+}
+
+dptc_status dptc_convert(void *dst, dptc_dtype dst_dtype, const void *src, dptc_dtype src_dtype,
+                         size_t count)
+{
+    if (is_wide(src_dtype) && is_half(dst_dtype)) {
+        uint16_t *out = dst;
+        if (dst_dtype == DPTC_BFLOAT16)
+            for (size_t i = 0; i < count; i++)
+                out[i] = f32_to_bf16(wide_at(src, src_dtype, i));
+        else
+            for (size_t i = 0; i < count; i++)
+                out[i] = f32_to_f16(wide_at(src, src_dtype, i));
+        return DPTC_OK;
+    }
+    if (is_half(src_dtype) && is_wide(dst_dtype)) {
+        const uint16_t *in = src;
+        for (size_t i = 0; i < count; i++) {
+            float value = src_dtype == DPTC_BFLOAT16 ? bf16_to_f32(in[i]) : f16_to_f32(in[i]);
+            if (dst_dtype == DPTC_FLOAT32)
+                ((float *)dst)[i] = value;
+            else
+                ((double *)dst)[i] = value;
+        }
+        return DPTC_OK;
+    }
+    return DPTC_ERR_INVALID;
+}

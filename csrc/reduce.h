@@ -22,4 +22,11 @@ dptc_status dptc_reduce(void *dst, const void *const *srcs, int nsrc,
  * step).  DPTC_ERR_INVALID for integer dtypes. */
 dptc_status dptc_scale(void *buf, size_t count, dptc_dtype dtype, double scale);
 
+/* dst[i] = src[i] converted, rounding to nearest even, between float32 or
+ * float64 and bfloat16 or float16 (either direction; float64 goes through
+ * float32, as torch's cast does).  DPTC_ERR_INVALID for other pairs.  Runs
+ * without the GIL. */
+dptc_status dptc_convert(void *dst, dptc_dtype dst_dtype, const void *src, dptc_dtype src_dtype,
+                         size_t count);
+
 #endif /* DPTC_REDUCE_H */

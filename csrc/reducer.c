@@ -71,6 +71,7 @@
 #include "dptc.h"
 #include "engine.h"
 #include "module.h"
+#include "reduce.h"
 
 /* Names listed in an unused-parameter error before "and N more". */
 #define MAX_NAMES_IN_ERROR 16
@@ -183,123 +184,6 @@ struct ReducerObject {
 };
 
 /* ------------------------------------------------------------------ */
-/* 16-bit conversions for the compression hooks (round to nearest even) */
-
-static uint16_t float_to_half(float value)
-{
-    uint32_t bits;
-    memcpy(&bits, &value, sizeof bits);
-    uint16_t sign = (uint16_t)((bits >> 16) & 0x8000u);
-    uint32_t magnitude = bits & 0x7fffffffu;
-    if (magnitude >= 0x7f800000u) /* inf stays inf, NaN stays a (quiet) NaN */
-        return sign | 0x7c00u | (magnitude > 0x7f800000u ? 0x0200u : 0u);
-    if (magnitude >= 0x477ff000u) /* at least 65520: rounds past 65504 */
-        return sign | 0x7c00u;
-    if (magnitude < 0x38800000u) {
-        /* Below 2^-14 the result is subnormal: adding 0.5 makes the FPU
-         * round |value| to a multiple of 2^-24, the half's subnormal step,
-         * and leaves that multiple in the low mantissa bits. */
-        float shifted;
-        memcpy(&shifted, &magnitude, sizeof shifted);
-        shifted += 0.5f;
-        uint32_t out;
-        memcpy(&out, &shifted, sizeof out);
-        return sign | (uint16_t)(out - 0x3f000000u);
-    }
-    /* Normal: rebias the exponent (127 -> 15) and round the 13 dropped
-     * mantissa bits to nearest, ties to even. */
-    uint32_t odd = (magnitude >> 13) & 1u;
-    magnitude += 0xfffu + odd;
-    magnitude -= 112u << 23;
-    return sign | (uint16_t)(magnitude >> 13);
-}
-
-static float half_to_float(uint16_t half)
-{
-    uint32_t sign = (uint32_t)(half & 0x8000u) << 16;
-    uint32_t exponent = (half >> 10) & 0x1fu;
-    uint32_t mantissa = half & 0x3ffu;
-    uint32_t bits;
-    if (exponent == 0x1f) {
-        bits = sign | 0x7f800000u | (mantissa << 13);
-    } else if (exponent == 0) {
-        float value = (float)mantissa * (1.0f / 16777216.0f); /* exact */
-        return sign ? -value : value;
-    } else {
-        bits = sign | ((exponent + 112u) << 23) | (mantissa << 13);
-    }
-    float value;
-    memcpy(&value, &bits, sizeof value);
-    return value;
-}
-
-static uint16_t float_to_bfloat(float value)
-{
-    uint32_t bits;
-    memcpy(&bits, &value, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u)
-        return (uint16_t)((bits >> 16) | 0x0040u);
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
-
-static float bfloat_to_float(uint16_t bfloat)
-{
-    uint32_t bits = (uint32_t)bfloat << 16;
-    float value;
-    memcpy(&value, &bits, sizeof value);
-    return value;
-}
-
-/* dst (16-bit, dst_dtype) = src (float32 or float64).  Runs without the GIL. */
-static void compress(void *dst, dptc_dtype dst_dtype, const void *src, dptc_dtype src_dtype,
-                     size_t count)
-{
-    uint16_t *out = dst;
-    if (src_dtype == DPTC_FLOAT32) {
-        const float *in = src;
-        if (dst_dtype == DPTC_FLOAT16)
-            for (size_t i = 0; i < count; i++)
-                out[i] = float_to_half(in[i]);
-        else
-            for (size_t i = 0; i < count; i++)
-                out[i] = float_to_bfloat(in[i]);
-    } else {
-        const double *in = src;
-        if (dst_dtype == DPTC_FLOAT16)
-            for (size_t i = 0; i < count; i++)
-                out[i] = float_to_half((float)in[i]);
-        else
-            for (size_t i = 0; i < count; i++)
-                out[i] = float_to_bfloat((float)in[i]);
-    }
-}
-
-/* dst (float32 or float64) = src (16-bit).  Runs without the GIL. */
-static void decompress(void *dst, dptc_dtype dst_dtype, const void *src, dptc_dtype src_dtype,
-                       size_t count)
-{
-    const uint16_t *in = src;
-    if (dst_dtype == DPTC_FLOAT32) {
-        float *out = dst;
-        if (src_dtype == DPTC_FLOAT16)
-            for (size_t i = 0; i < count; i++)
-                out[i] = half_to_float(in[i]);
-        else
-            for (size_t i = 0; i < count; i++)
-                out[i] = bfloat_to_float(in[i]);
-    } else {
-        double *out = dst;
-        if (src_dtype == DPTC_FLOAT16)
-            for (size_t i = 0; i < count; i++)
-                out[i] = half_to_float(in[i]);
-        else
-            for (size_t i = 0; i < count; i++)
-                out[i] = bfloat_to_float(in[i]);
-    }
-}
-
-/* ------------------------------------------------------------------ */
 /* Small helpers around tensors.  Statuses: DPTC_ERR_PYTHON means a Python
  * exception is set. */
 
@@ -380,7 +264,7 @@ static dptc_status bucket_launch(ReducerObject *r, bucket *b, dptc_error *err)
                       .input = b->data, .output = b->data, .count = b->count, .root = 0};
     if (b->comm_tensor) {
         Py_BEGIN_ALLOW_THREADS
-        compress(b->comm_data, b->comm_dtype, b->data, b->dtype, b->count);
+        dptc_convert(b->comm_data, b->comm_dtype, b->data, b->dtype, b->count);
         Py_END_ALLOW_THREADS
         coll.dtype = b->comm_dtype;
         coll.input = coll.output = b->comm_data;
@@ -734,7 +618,7 @@ static dptc_status bucket_complete(ReducerObject *r, bucket *b, double timeout, 
         b->work = NULL;
         CHECK(status);
         if (b->comm_tensor)
-            decompress(b->data, b->dtype, b->comm_data, b->comm_dtype, b->count);
+            dptc_convert(b->data, b->dtype, b->comm_data, b->comm_dtype, b->count);
     }
     for (Py_ssize_t k = 0; k < b->nmembers; k++) {
         Py_ssize_t i = b->members[k];
