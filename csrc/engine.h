@@ -67,7 +67,7 @@ int dptc_group_rank(const dptc_group *g);
 int dptc_group_size(const dptc_group *g);
 double dptc_group_timeout(const dptc_group *g);
 /* Base address and size of the staging area of local rank `local`
- * (the bridge wraps these in tensors). */
+ * (the bridge wraps these in tensors); NULL when local is out of range. */
 void *dptc_group_slot(dptc_group *g, int local, size_t *bytes);
 
 /* Queues c for the progress thread.  *out receives a new work reference

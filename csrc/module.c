@@ -242,6 +242,14 @@ static void group_dealloc(GroupObject *self)
     Py_DECREF(type);
 }
 
+/* The engine group of self and the module state, or NULL with an exception
+ * when the group was closed. */
+static dptc_group *open_group(GroupObject *self, dptc_module_state **st)
+{
+    *st = dptc_state_from_type(Py_TYPE(self));
+    return dptc_group_from_object(*st, (PyObject *)self, "group");
+}
+
 /* Parses (op, dtype, redop, input, output, count, root) into c. */
 static int parse_coll(PyObject *const *args, Py_ssize_t nargs, dptc_coll *c)
 {
@@ -282,8 +290,8 @@ static int parse_coll(PyObject *const *args, Py_ssize_t nargs, dptc_coll *c)
 
 static PyObject *group_run(GroupObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    dptc_module_state *st = dptc_state_from_type(Py_TYPE(self));
-    dptc_group *g = dptc_group_from_object(st, (PyObject *)self, "group");
+    dptc_module_state *st;
+    dptc_group *g = open_group(self, &st);
     dptc_coll c;
     if (!g || parse_coll(args, nargs, &c) < 0)
         return NULL;
@@ -300,8 +308,8 @@ static PyObject *group_run(GroupObject *self, PyObject *const *args, Py_ssize_t 
 /* submit(op, dtype, redop, input, output, count, root, keepalive) -> Work */
 static PyObject *group_submit(GroupObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    dptc_module_state *st = dptc_state_from_type(Py_TYPE(self));
-    dptc_group *g = dptc_group_from_object(st, (PyObject *)self, "group");
+    dptc_module_state *st;
+    dptc_group *g = open_group(self, &st);
     dptc_coll c;
     if (!g || parse_coll(args, nargs, &c) < 0)
         return NULL;
@@ -328,8 +336,8 @@ static PyObject *group_submit(GroupObject *self, PyObject *const *args, Py_ssize
 
 static PyObject *group_abort(GroupObject *self, PyObject *reason)
 {
-    dptc_module_state *st = dptc_state_from_type(Py_TYPE(self));
-    dptc_group *g = dptc_group_from_object(st, (PyObject *)self, "group");
+    dptc_module_state *st;
+    dptc_group *g = open_group(self, &st);
     if (!g)
         return NULL;
     const char *text = PyUnicode_AsUTF8(reason);
@@ -342,8 +350,8 @@ static PyObject *group_abort(GroupObject *self, PyObject *reason)
 /* set_bridge(callable): the cross-node step, see bridge.c. */
 static PyObject *group_set_bridge(GroupObject *self, PyObject *callable)
 {
-    dptc_module_state *st = dptc_state_from_type(Py_TYPE(self));
-    dptc_group *g = dptc_group_from_object(st, (PyObject *)self, "group");
+    dptc_module_state *st;
+    dptc_group *g = open_group(self, &st);
     if (!g)
         return NULL;
     if (!PyCallable_Check(callable)) {
@@ -374,8 +382,8 @@ static PyObject *group_close(GroupObject *self, PyObject *Py_UNUSED(ignored))
 /* slot(local_rank) -> writable memoryview over that rank's staging slots. */
 static PyObject *group_slot(GroupObject *self, PyObject *arg)
 {
-    dptc_module_state *st = dptc_state_from_type(Py_TYPE(self));
-    dptc_group *g = dptc_group_from_object(st, (PyObject *)self, "group");
+    dptc_module_state *st;
+    dptc_group *g = open_group(self, &st);
     if (!g)
         return NULL;
     long local = PyLong_AsLong(arg);
@@ -383,6 +391,11 @@ static PyObject *group_slot(GroupObject *self, PyObject *arg)
         return NULL;
     size_t bytes;
     void *base = dptc_group_slot(g, (int)local, &bytes);
+    if (!base) {
+        PyErr_Format(PyExc_ValueError, "local_rank must be a local rank of this node, got %ld",
+                     local);
+        return NULL;
+    }
     return PyMemoryView_FromMemory(base, (Py_ssize_t)bytes, PyBUF_WRITE);
 }
 

@@ -656,6 +656,8 @@ void dptc_shm_unlink(dptc_transport *t)
 void *dptc_shm_slot(dptc_transport *t, int local, size_t *bytes)
 {
     shm_transport *s = (shm_transport *)t;
+    if (local < 0 || local >= s->local_size)
+        return NULL;
     *bytes = s->region;
     return s->slots + (size_t)local * s->region;
 }

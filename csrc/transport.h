@@ -59,6 +59,7 @@ dptc_status dptc_shm_open(const dptc_group_config *config, dptc_transport **out,
                           dptc_error *err);
 void dptc_shm_set_bridge(dptc_transport *t, dptc_bridge *bridge);
 void dptc_shm_unlink(dptc_transport *t);
+/* NULL when local is not a local rank. */
 void *dptc_shm_slot(dptc_transport *t, int local, size_t *bytes);
 
 #endif /* DPTC_TRANSPORT_H */

@@ -34,6 +34,19 @@ def _check_tensor(tensor, argname):
     return dtype_code(tensor.dtype, argname)
 
 
+def _check_pair(pg, shard, shard_name, full, full_name):
+    """Checks a (shard, world_size * shard) pair of same-dtype tensors; returns the dtype code."""
+    code = _check_tensor(shard, shard_name)
+    _check_tensor(full, full_name)
+    if full.dtype != shard.dtype:
+        raise TypeError(f"{full_name} has dtype {full.dtype} but {shard_name} has {shard.dtype}; "
+                        f"they must match")
+    if full.numel() != pg.size * shard.numel():
+        raise ValueError(f"{full_name} must have world_size * {shard_name}.numel() = {pg.size} "
+                         f"* {shard.numel()} elements, got {full.numel()}")
+    return code
+
+
 def _issue(pg, op, dtype, redop, input, output, count, root, keep, async_op):
     args = (op, dtype, redop, input.data_ptr() if input is not None else 0,
             output.data_ptr() if output is not None else 0, count, root)
@@ -65,15 +78,7 @@ def broadcast(tensor, src, group=None, async_op=False):
 def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
     """Concatenates every rank's input_tensor, by rank, into output_tensor."""
     pg = resolve(group)
-    code = _check_tensor(input_tensor, "input_tensor")
-    _check_tensor(output_tensor, "output_tensor")
-    if output_tensor.dtype != input_tensor.dtype:
-        raise TypeError(f"output_tensor has dtype {output_tensor.dtype} but input_tensor has "
-                        f"{input_tensor.dtype}; they must match")
-    if output_tensor.numel() != pg.size * input_tensor.numel():
-        raise ValueError(f"output_tensor must have world_size * input_tensor.numel() = "
-                         f"{pg.size} * {input_tensor.numel()} elements, got "
-                         f"{output_tensor.numel()}")
+    code = _check_pair(pg, input_tensor, "input_tensor", output_tensor, "output_tensor")
     return _issue(pg, OP_ALL_GATHER, code, 0, input_tensor, output_tensor, input_tensor.numel(),
                   0, (output_tensor, input_tensor), async_op)
 
@@ -81,14 +86,7 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=Fal
 def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=False):
     """Reduces input across ranks and leaves block `rank` of the result in output."""
     pg = resolve(group)
-    code = _check_tensor(input, "input")
-    _check_tensor(output, "output")
-    if output.dtype != input.dtype:
-        raise TypeError(f"output has dtype {output.dtype} but input has {input.dtype}; "
-                        f"they must match")
-    if input.numel() != pg.size * output.numel():
-        raise ValueError(f"input must have world_size * output.numel() = {pg.size} * "
-                         f"{output.numel()} elements, got {input.numel()}")
+    code = _check_pair(pg, output, "output", input, "input")
     redop = redop_code(op, input.dtype)
     return _issue(pg, OP_REDUCE_SCATTER, code, redop, input, output, output.numel(), 0,
                   (output, input), async_op)
