@@ -1,5 +1,6 @@
 """Process groups: initialisation paths, re-initialisation, deadlines, error types."""
 
+import os
 import subprocess
 import sys
 
@@ -56,6 +57,9 @@ def test_single_process_without_torchrun():
     code = ("import json, tests.workers_group as w; print('RESULT', json.dumps("
             "w.single_process()))")
     env = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
+    # Keep tools/sanitize.sh's runtimes, which must load first.
+    env.update({k: v for k, v in os.environ.items()
+                if k in ("LD_PRELOAD", "ASAN_OPTIONS", "UBSAN_OPTIONS")})
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-3000:]
