@@ -47,7 +47,7 @@ const char *dptc_dtype_name(dptc_dtype dtype)
 const char *dptc_op_name(dptc_op op)
 {
     static const char *names[DPTC_OP_COUNT] = {"all_reduce", "broadcast", "all_gather_into_tensor",
-                                               "reduce_scatter_tensor", "barrier"};
+                                               "reduce_scatter_tensor", "barrier", "share"};
     return (unsigned)op < DPTC_OP_COUNT ? names[op] : "unknown collective";
 }
 

@@ -55,6 +55,7 @@ typedef enum {
     DPTC_OP_ALL_GATHER = 2,
     DPTC_OP_REDUCE_SCATTER = 3,
     DPTC_OP_BARRIER = 4,
+    DPTC_OP_SHARE = 5,   /* maps a new shared buffer on every local rank (engine.h) */
     DPTC_OP_COUNT
 } dptc_op;
 

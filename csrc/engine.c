@@ -296,6 +296,16 @@ void dptc_group_set_bridge(dptc_group *g, void *bridge)
     dptc_shm_set_bridge(g->transport, bridge);
 }
 
+dptc_status dptc_group_share(dptc_group *g, size_t nbytes, dptc_shared *out, dptc_error *err)
+{
+    dptc_coll c = {.op = DPTC_OP_SHARE, .dtype = DPTC_UINT8, .output = out, .count = nbytes};
+    return dptc_group_run(g, &c, err);
+}
+
+void dptc_group_unshare(dptc_group *g, dptc_shared *sh) { dptc_shm_unshare(g->transport, sh); }
+
+void dptc_shared_free(dptc_shared *sh) { dptc_shm_shared_free(sh); }
+
 void dptc_group_unlink(dptc_group *g) { dptc_shm_unlink(g->transport); }
 
 void dptc_group_abort(dptc_group *g, const char *reason)

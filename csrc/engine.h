@@ -70,6 +70,33 @@ double dptc_group_timeout(const dptc_group *g);
  * (the bridge wraps these in tensors); NULL when local is out of range. */
 void *dptc_group_slot(dptc_group *g, int local, size_t *bytes);
 
+/* [Note: shared buffers]
+ * A shared buffer is memory every local rank maps: each rank creates a
+ * segment of the same size (collectively, in collective order, so the
+ * buffers of all ranks carry the same id) and maps its peers' segments
+ * too.  An all-reduce whose tensor lies in a shared buffer, in place and at
+ * the same offset on every rank, needs no staging: each rank reduces its
+ * part straight from its peers' memory and writes the result into every
+ * peer's buffer (shm.c, all_reduce_shared).  DDP allocates its gradient
+ * buckets this way; FSDP will gather into shared parameters.  The mappings
+ * belong to the dptc_shared (its owner unmaps them with dptc_shared_free),
+ * so a buffer outlives the group that made it. */
+#define DPTC_MAX_LOCAL 64
+typedef struct {
+    uint64_t id;                          /* same on every local rank */
+    size_t bytes;
+    int local_rank, local_size;
+    unsigned char *base[DPTC_MAX_LOCAL];  /* every local rank's segment, mapped here */
+} dptc_shared;
+
+/* Collective over the group's local ranks; blocking, call without the GIL.
+ * Fills *out; the group remembers it until dptc_group_unshare. */
+dptc_status dptc_group_share(dptc_group *g, size_t nbytes, dptc_shared *out, dptc_error *err);
+/* Forgets sh (the group may no longer route collectives through it). */
+void dptc_group_unshare(dptc_group *g, dptc_shared *sh);
+/* Unmaps sh's segments.  After dptc_group_unshare, or when the group is gone. */
+void dptc_shared_free(dptc_shared *sh);
+
 /* Queues c for the progress thread.  *out receives a new work reference
  * (release with dptc_work_release).  Safe without the GIL. */
 dptc_status dptc_group_submit(dptc_group *g, const dptc_coll *c,

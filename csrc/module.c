@@ -174,6 +174,73 @@ typedef struct {
     int rank, size;
 } GroupObject;
 
+/* ------------------------------------------------------------------ */
+/* SharedBuffer: memory every local rank maps (see [Note: shared buffers]
+ * in engine.h), exported through the buffer protocol so that
+ * torch.frombuffer can put a tensor on it; the tensor's storage keeps the
+ * SharedBuffer alive. */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *group;      /* the GroupObject that made it (strong) */
+    dptc_shared shared;   /* mappings, owned */
+} SharedObject;
+
+static int shared_getbuffer(PyObject *op, Py_buffer *view, int flags)
+{
+    SharedObject *self = (SharedObject *)op;
+    return PyBuffer_FillInfo(view, op, self->shared.base[self->shared.local_rank],
+                             (Py_ssize_t)self->shared.bytes, 0, flags);
+}
+
+static int shared_traverse(SharedObject *self, visitproc visit, void *arg)
+{
+    Py_VISIT(Py_TYPE(self));
+    Py_VISIT(self->group);
+    return 0;
+}
+
+static void shared_dealloc(SharedObject *self)
+{
+    PyTypeObject *type = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    GroupObject *group = (GroupObject *)self->group;
+    if (group && group->group)
+        dptc_group_unshare(group->group, &self->shared);
+    dptc_shared_free(&self->shared);
+    Py_CLEAR(self->group);
+    type->tp_free(self);
+    Py_DECREF(type);
+}
+
+static PyObject *shared_get_nbytes(SharedObject *self, void *Py_UNUSED(closure))
+{
+    return PyLong_FromSize_t(self->shared.bytes);
+}
+
+static PyGetSetDef shared_getset[] = {
+    {"nbytes", (getter)shared_get_nbytes, NULL, "bytes mapped (a multiple of the page size)",
+     NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyType_Slot shared_slots[] = {
+    {Py_tp_doc, "Memory every local rank of a group maps; see Group.share."},
+    {Py_bf_getbuffer, shared_getbuffer},
+    {Py_tp_getset, shared_getset},
+    {Py_tp_traverse, shared_traverse},
+    {Py_tp_dealloc, shared_dealloc},
+    {0, NULL},
+};
+
+static PyType_Spec shared_spec = {
+    .name = "dptc._C.SharedBuffer",
+    .basicsize = sizeof(SharedObject),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_IMMUTABLETYPE |
+             Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .slots = shared_slots,
+};
+
 dptc_group *dptc_group_from_object(dptc_module_state *st, PyObject *obj, const char *argname)
 {
     if (!PyObject_TypeCheck(obj, st->group_type)) {
@@ -347,6 +414,40 @@ static PyObject *group_abort(GroupObject *self, PyObject *reason)
     Py_RETURN_NONE;
 }
 
+/* share(nbytes) -> SharedBuffer.  Collective over the group: every rank
+ * calls it in the same order with the same size. */
+static PyObject *group_share(GroupObject *self, PyObject *arg)
+{
+    dptc_module_state *st;
+    dptc_group *g = open_group(self, &st);
+    if (!g)
+        return NULL;
+    Py_ssize_t nbytes = PyLong_AsSsize_t(arg);
+    if (nbytes == -1 && PyErr_Occurred())
+        return NULL;
+    if (nbytes < 0) {
+        PyErr_Format(PyExc_ValueError, "nbytes must be >= 0, got %zd", nbytes);
+        return NULL;
+    }
+    SharedObject *shared = PyObject_GC_New(SharedObject, st->shared_type);
+    if (!shared)
+        return NULL;
+    shared->group = NULL;
+    memset(&shared->shared, 0, sizeof shared->shared);
+    dptc_error err;
+    dptc_status status;
+    Py_BEGIN_ALLOW_THREADS
+    status = dptc_group_share(g, (size_t)nbytes, &shared->shared, &err);
+    Py_END_ALLOW_THREADS
+    if (status != DPTC_OK) {
+        Py_DECREF(shared);
+        return dptc_raise(st, status, &err);
+    }
+    shared->group = Py_NewRef((PyObject *)self);
+    PyObject_GC_Track(shared);
+    return (PyObject *)shared;
+}
+
 /* set_bridge(callable): the cross-node step, see bridge.c. */
 static PyObject *group_set_bridge(GroupObject *self, PyObject *callable)
 {
@@ -422,6 +523,8 @@ static PyMethodDef group_methods[] = {
      "submit(op, dtype, redop, input_ptr, output_ptr, count, root, keepalive) -> Work"},
     {"abort", (PyCFunction)group_abort, METH_O,
      "abort(reason)\n\nFails the group here and on every local peer."},
+    {"share", (PyCFunction)group_share, METH_O,
+     "share(nbytes) -> SharedBuffer\n\nCollective: memory every local rank maps, zero-filled."},
     {"set_bridge", (PyCFunction)group_set_bridge, METH_O,
      "set_bridge(callable)\n\nAttaches the cross-node step; call before the first collective."},
     {"unlink", (PyCFunction)group_unlink, METH_NOARGS,
@@ -500,7 +603,8 @@ static int module_exec(PyObject *module)
 {
     dptc_module_state *st = dptc_state(module);
     if (add_type(module, &st->group_type, &group_spec) < 0 ||
-        add_type(module, &st->work_type, &work_spec) < 0 || add_exceptions(module, st) < 0)
+        add_type(module, &st->work_type, &work_spec) < 0 ||
+        add_type(module, &st->shared_type, &shared_spec) < 0 || add_exceptions(module, st) < 0)
         return -1;
     if (dptc_reducer_module_exec(module, st) < 0)
         return -1;
@@ -512,6 +616,7 @@ static int module_traverse(PyObject *module, visitproc visit, void *arg)
     dptc_module_state *st = dptc_state(module);
     Py_VISIT(st->group_type);
     Py_VISIT(st->work_type);
+    Py_VISIT(st->shared_type);
     Py_VISIT(st->dist_error);
     Py_VISIT(st->timeout_error);
     Py_VISIT(st->peer_lost_error);
@@ -524,6 +629,7 @@ static int module_clear(PyObject *module)
     dptc_module_state *st = dptc_state(module);
     Py_CLEAR(st->group_type);
     Py_CLEAR(st->work_type);
+    Py_CLEAR(st->shared_type);
     Py_CLEAR(st->dist_error);
     Py_CLEAR(st->timeout_error);
     Py_CLEAR(st->peer_lost_error);

@@ -13,6 +13,7 @@ typedef struct {
     /* Types created from specs at module exec (heap types). */
     PyTypeObject *group_type;      /* dptc._C.Group */
     PyTypeObject *work_type;       /* dptc._C.Work */
+    PyTypeObject *shared_type;     /* dptc._C.SharedBuffer */
     PyTypeObject *reducer_type;    /* dptc._C.Reducer (reducer.c) */
     PyTypeObject *hook_type;       /* dptc._C.GradHook (reducer.c) */
     /* Exceptions: DistError and its subclasses. */

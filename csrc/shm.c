@@ -37,6 +37,7 @@
 #include <fcntl.h>
 #include <limits.h>
 #include <linux/futex.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -63,6 +64,8 @@ typedef struct {
     int32_t root;
     uint64_t count;
     uint64_t seq;
+    uint64_t shared;   /* 1 + id of the shared buffer the tensor lies in, or 0 */
+    uint64_t offset;   /* the tensor's byte offset in that buffer */
 } fingerprint;
 
 typedef struct {
@@ -99,6 +102,14 @@ typedef struct {
     uint32_t steps;               /* my counter value */
     uint64_t rounds;              /* rounds completed, across collectives */
     int unchecked;                /* the running collective's fingerprint is not compared yet */
+    const dptc_shared *in_shared; /* the running collective's shared buffer, or NULL */
+    size_t shared_offset;         /* its tensor's byte offset there */
+    /* Shared buffers (see [Note: shared buffers] in engine.h); the table is
+     * also touched by unshare from Python threads, hence the lock. */
+    pthread_mutex_t shared_lock;
+    dptc_shared **shared;
+    int nshared, shared_cap;
+    uint64_t next_shared_id;
     double spin_s;                /* how long to spin before sleeping */
 } shm_transport;
 
@@ -250,7 +261,14 @@ static dptc_status step(shm_transport *s, double deadline, dptc_error *err)
 
 static void describe(const fingerprint *f, char *out, size_t n)
 {
-    if (f->op == DPTC_OP_BARRIER)
+    if (f->shared) {
+        char plain[160];
+        fingerprint unshared = *f;
+        unshared.shared = 0;
+        describe(&unshared, plain, sizeof plain);
+        snprintf(out, n, "%s on shared buffer #%llu at byte %llu", plain,
+                 (unsigned long long)f->shared - 1, (unsigned long long)f->offset);
+    } else if (f->op == DPTC_OP_BARRIER)
         snprintf(out, n, "barrier (collective #%llu)", (unsigned long long)f->seq);
     else if (f->op == DPTC_OP_BROADCAST)
         snprintf(out, n, "broadcast(%s, count=%llu, src=%d) (collective #%llu)",
@@ -263,11 +281,16 @@ static void describe(const fingerprint *f, char *out, size_t n)
                  (unsigned long long)f->seq);
 }
 
-static void fingerprint_of(const dptc_coll *c, uint64_t seq, fingerprint *f)
+static void fingerprint_of(const shm_transport *s, const dptc_coll *c, uint64_t seq,
+                           fingerprint *f)
 {
     memset(f, 0, sizeof *f);
     f->op = (uint32_t)c->op;
     f->seq = seq;
+    if (s->in_shared) {
+        f->shared = s->in_shared->id + 1;
+        f->offset = s->shared_offset;
+    }
     if (c->op == DPTC_OP_BARRIER)
         return;
     f->dtype = (uint32_t)c->dtype;
@@ -288,7 +311,7 @@ static dptc_status check_fingerprints(shm_transport *s, uint64_t seq, dptc_error
         const fingerprint *theirs = &s->peers[p].fp[seq % 2];
         if (memcmp(mine, theirs, sizeof *mine) == 0)
             continue;
-        char a[200], b[200];
+        char a[256], b[256];
         describe(mine, a, sizeof a);
         describe(theirs, b, sizeof b);
         dptc_status status = dptc_fail(
@@ -308,7 +331,7 @@ static dptc_status check_fingerprints(shm_transport *s, uint64_t seq, dptc_error
 static dptc_status first_step(shm_transport *s, const dptc_coll *c, uint64_t seq,
                               double deadline, dptc_error *err)
 {
-    fingerprint_of(c, seq, &s->peers[s->local_rank].fp[seq % 2]);
+    fingerprint_of(s, c, seq, &s->peers[s->local_rank].fp[seq % 2]);
     CHECK(step(s, deadline, err));
     return check_fingerprints(s, seq, err);
 }
@@ -319,7 +342,7 @@ static dptc_status check_across_nodes(shm_transport *s, const dptc_coll *c, uint
                                       dptc_error *err)
 {
     const fingerprint *f = &s->peers[s->local_rank].fp[seq % 2];
-    char text[200];
+    char text[256];
     describe(f, text, sizeof text);
     dptc_status status = dptc_bridge_check(s->bridge, c->op, c->dtype, c->redop, c->count, seq,
                                            c->root, text, err);
@@ -438,9 +461,47 @@ static dptc_status all_reduce_large(shm_transport *s, const dptc_coll *c, uint64
     return DPTC_OK;
 }
 
+/* All-reduce in place on a shared buffer (see [Note: shared buffers] in
+ * engine.h): after the first step every rank's tensor is final input; rank r
+ * reduces part r from every peer's memory into its own tensor, copies that
+ * part into every peer's tensor, and the closing step tells everyone the
+ * whole tensor is final.  Each rank reads and writes the tensor's size once.
+ * Rank p touches only part p of any buffer between the two steps, so the
+ * writes never meet. */
+static dptc_status all_reduce_shared(shm_transport *s, const dptc_coll *c, uint64_t seq,
+                                     double deadline, dptc_error *err)
+{
+    size_t elsize = dptc_dtype_size(c->dtype);
+    int n = s->local_size;
+    size_t part = (c->count + (size_t)n - 1) / (size_t)n;
+    part = (part + CACHE_LINE - 1) / CACHE_LINE * CACHE_LINE;
+    size_t lo = (size_t)s->local_rank * part, hi = lo + part;
+    if (lo > c->count)
+        lo = c->count;
+    if (hi > c->count)
+        hi = c->count;
+    CHECK(begin_round(s, c, seq, deadline, err));
+    if (hi > lo) {
+        const void *srcs[DPTC_MAX_LOCAL];
+        size_t at = s->shared_offset + lo * elsize;
+        for (int p = 0; p < n; p++)
+            srcs[p] = s->in_shared->base[p] + at;
+        double scale = is_avg(c) ? 1.0 / n : 1.0;
+        CHECK(dptc_reduce(s->in_shared->base[s->local_rank] + at, srcs, n, hi - lo, c->dtype,
+                          base_redop(c), scale));
+        for (int p = 0; p < n; p++)
+            if (p != s->local_rank)
+                memcpy(s->in_shared->base[p] + at, s->in_shared->base[s->local_rank] + at,
+                       (hi - lo) * elsize);
+    }
+    return step(s, deadline, err);
+}
+
 static dptc_status all_reduce(shm_transport *s, const dptc_coll *c, uint64_t seq,
                               double deadline, dptc_error *err)
 {
+    if (s->in_shared)
+        return all_reduce_shared(s, c, seq, deadline, err);
     size_t bytes = c->count * dptc_dtype_size(c->dtype);
     if (s->nnodes == 1 && s->local_size <= 64 &&
         (bytes <= 16384 || (s->local_size == 1 && bytes <= s->slot_bytes)))
@@ -574,6 +635,141 @@ static dptc_status barrier(shm_transport *s, const dptc_coll *c, uint64_t seq, d
     return DPTC_OK;
 }
 
+/* ------------------------------------------------------------------ */
+/* Shared buffers (see [Note: shared buffers] in engine.h) */
+
+static void shared_name(const shm_transport *s, int local, uint64_t id, char *out, size_t n)
+{
+    snprintf(out, n, "%s-r%d-b%llu", s->name, local, (unsigned long long)id);
+}
+
+static dptc_status map_shared(const char *name, int create, size_t bytes, unsigned char **out,
+                              dptc_error *err)
+{
+    int fd = shm_open(name, create ? O_RDWR | O_CREAT | O_EXCL : O_RDWR, 0600);
+    if (fd < 0)
+        return dptc_fail(err, DPTC_ERR_SYSTEM, "shm_open(%s) failed: %s", name, strerror(errno));
+    dptc_status status = DPTC_OK;
+    if (create && ftruncate(fd, (off_t)bytes) != 0) {
+        status = dptc_fail(err, DPTC_ERR_SYSTEM, "ftruncate of %s to %zu bytes failed: %s", name,
+                           bytes, strerror(errno));
+        goto exit;
+    }
+    void *map = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (map == MAP_FAILED) {
+        status = dptc_fail(err, DPTC_ERR_SYSTEM, "mmap of %zu shared bytes failed: %s", bytes,
+                           strerror(errno));
+        goto exit;
+    }
+    *out = map;
+exit:
+    close(fd);
+    return status;
+}
+
+void dptc_shm_shared_free(dptc_shared *sh)
+{
+    for (int p = 0; p < sh->local_size; p++) {
+        if (sh->base[p])
+            munmap(sh->base[p], sh->bytes);
+        sh->base[p] = NULL;
+    }
+}
+
+static dptc_status remember_shared(shm_transport *s, dptc_shared *sh, dptc_error *err)
+{
+    dptc_status status = DPTC_OK;
+    pthread_mutex_lock(&s->shared_lock);
+    if (s->nshared == s->shared_cap) {
+        int cap = s->shared_cap ? 2 * s->shared_cap : 8;
+        dptc_shared **grown = realloc(s->shared, (size_t)cap * sizeof *grown);
+        if (!grown) {
+            status = dptc_fail(err, DPTC_ERR_NOMEM, "out of memory");
+            goto unlock;
+        }
+        s->shared = grown;
+        s->shared_cap = cap;
+    }
+    s->shared[s->nshared++] = sh;
+unlock:
+    pthread_mutex_unlock(&s->shared_lock);
+    return status;
+}
+
+void dptc_shm_unshare(dptc_transport *t, dptc_shared *sh)
+{
+    shm_transport *s = (shm_transport *)t;
+    pthread_mutex_lock(&s->shared_lock);
+    for (int i = 0; i < s->nshared; i++)
+        if (s->shared[i] == sh) {
+            s->shared[i] = s->shared[--s->nshared];
+            break;
+        }
+    pthread_mutex_unlock(&s->shared_lock);
+}
+
+/* The shared buffer that holds [ptr, ptr + bytes), or NULL. */
+static const dptc_shared *find_shared(shm_transport *s, const void *ptr, size_t bytes,
+                                      size_t *offset)
+{
+    const dptc_shared *found = NULL;
+    uintptr_t p = (uintptr_t)ptr;
+    pthread_mutex_lock(&s->shared_lock);
+    for (int i = 0; i < s->nshared && !found; i++) {
+        uintptr_t mine = (uintptr_t)s->shared[i]->base[s->local_rank];
+        size_t size = s->shared[i]->bytes;
+        if (p >= mine && bytes <= size && p - mine <= size - bytes) {
+            found = s->shared[i];
+            *offset = (size_t)(p - mine);
+        }
+    }
+    pthread_mutex_unlock(&s->shared_lock);
+    return found;
+}
+
+/* DPTC_OP_SHARE: every local rank creates its segment, waits for all, maps
+ * its peers', waits again, and removes its name, so nothing is left in
+ * /dev/shm.  On failure every rank removes every name: a peer that died
+ * before removing its own leaves nothing behind either. */
+static dptc_status share(shm_transport *s, const dptc_coll *c, uint64_t seq, double deadline,
+                         dptc_error *err)
+{
+    dptc_shared *sh = c->output;
+    memset(sh, 0, sizeof *sh);
+    sh->id = s->next_shared_id++;
+    sh->bytes = round_up(c->count ? c->count : 1, ALIGN_BYTES);
+    sh->local_rank = s->local_rank;
+    sh->local_size = s->local_size;
+    char name[300];
+    shared_name(s, s->local_rank, sh->id, name, sizeof name);
+    dptc_status status = map_shared(name, 1, sh->bytes, &sh->base[s->local_rank], err);
+    if (status != DPTC_OK) {
+        shm_abort(&s->base, status, err->message);
+        return status;
+    }
+    CHECK_GOTO(begin_round(s, c, seq, deadline, err), status, fail);
+    for (int p = 0; p < s->local_size; p++) {
+        if (p == s->local_rank)
+            continue;
+        shared_name(s, p, sh->id, name, sizeof name);
+        CHECK_GOTO(map_shared(name, 0, sh->bytes, &sh->base[p], err), status, fail);
+    }
+    CHECK_GOTO(step(s, deadline, err), status, fail);
+    shared_name(s, s->local_rank, sh->id, name, sizeof name);
+    shm_unlink(name);
+    CHECK_GOTO(remember_shared(s, sh, err), status, fail);
+    return DPTC_OK;
+fail:
+    for (int p = 0; p < s->local_size; p++) {
+        shared_name(s, p, sh->id, name, sizeof name);
+        shm_unlink(name);
+    }
+    dptc_shm_shared_free(sh);
+    if (!atomic_load(&s->header->aborted))
+        shm_abort(&s->base, status, err->message);
+    return status;
+}
+
 static dptc_status shm_run(dptc_transport *t, const dptc_coll *c, uint64_t seq,
                            double deadline, dptc_error *err)
 {
@@ -581,6 +777,10 @@ static dptc_status shm_run(dptc_transport *t, const dptc_coll *c, uint64_t seq,
     if (atomic_load(&s->header->aborted))
         return aborted_error(s, err);
     s->unchecked = 1;
+    s->in_shared = NULL;
+    if (c->op == DPTC_OP_ALL_REDUCE && !s->bridge && c->input == c->output && c->count > 0)
+        s->in_shared = find_shared(s, c->input, c->count * dptc_dtype_size(c->dtype),
+                                   &s->shared_offset);
     if (s->bridge) {
         /* Locally, then across nodes, before the first byte moves: a bridged
          * step issued by mismatched nodes could otherwise wait in gloo. */
@@ -599,6 +799,8 @@ static dptc_status shm_run(dptc_transport *t, const dptc_coll *c, uint64_t seq,
         return reduce_scatter(s, c, seq, deadline, err);
     case DPTC_OP_BARRIER:
         return barrier(s, c, seq, deadline, err);
+    case DPTC_OP_SHARE:
+        return share(s, c, seq, deadline, err);
     default:
         return dptc_fail(err, DPTC_ERR_INVALID, "unknown collective %d", (int)c->op);
     }
@@ -624,6 +826,9 @@ static void shm_abort(dptc_transport *t, dptc_status status, const char *reason)
 static void shm_destroy(dptc_transport *t)
 {
     shm_transport *s = (shm_transport *)t;
+    /* Shared buffers belong to their owners; only forget them. */
+    free(s->shared);
+    pthread_mutex_destroy(&s->shared_lock);
     if (s->map)
         munmap(s->map, s->map_bytes);
     if (s->bridge)
@@ -707,6 +912,7 @@ dptc_status dptc_shm_open(const dptc_group_config *cfg, dptc_transport **out, dp
     if (!s)
         return dptc_fail(err, DPTC_ERR_NOMEM, "out of memory");
     s->base.ops = &shm_ops;
+    pthread_mutex_init(&s->shared_lock, NULL);
     s->local_rank = cfg->local_rank;
     s->local_size = cfg->local_size;
     s->node = cfg->node;

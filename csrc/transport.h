@@ -59,6 +59,10 @@ dptc_status dptc_shm_open(const dptc_group_config *config, dptc_transport **out,
                           dptc_error *err);
 void dptc_shm_set_bridge(dptc_transport *t, dptc_bridge *bridge);
 void dptc_shm_unlink(dptc_transport *t);
+/* Shared buffers (see [Note: shared buffers] in engine.h). */
+void dptc_shm_unshare(dptc_transport *t, dptc_shared *sh);
+void dptc_shm_shared_free(dptc_shared *sh);
+
 /* NULL when local is not a local rank. */
 void *dptc_shm_slot(dptc_transport *t, int local, size_t *bytes);
 

@@ -258,7 +258,9 @@ class DistributedDataParallel(nn.Module):
         buckets = []
         for members in assignment:
             dtype = self._params[members[0]].dtype
-            tensor = torch.zeros(sum(self._params[i].numel() for i in members), dtype=dtype)
+            # Shared with the local peers: the all-reduce needs no staging copies.
+            tensor = self.process_group.empty_shared(
+                sum(self._params[i].numel() for i in members), dtype)
             views, offset = [], 0
             for i in members:
                 numel = self._params[i].numel()
@@ -284,7 +286,7 @@ class DistributedDataParallel(nn.Module):
         for tensor, members, views in self._buckets:
             comm, comm_code = None, None
             if compress is not None and tensor.dtype in (torch.float32, torch.float64):
-                comm = torch.empty(tensor.numel(), dtype=compress)
+                comm = self.process_group.empty_shared(tensor.numel(), compress)
                 comm_code = dtype_code(compress)
             entries.append((tensor, dtype_code(tensor.dtype), list(members), list(views),
                             comm, comm_code))

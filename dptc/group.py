@@ -64,6 +64,20 @@ class ProcessGroup:
         return (f"dptc.ProcessGroup(rank={self.rank}, size={self.size}, node={self.node}/"
                 f"{self.nnodes}, local_rank={self.local_rank}/{self.local_size})")
 
+    def empty_shared(self, numel, dtype):
+        """A zero-filled 1-D tensor in memory every local rank of the group maps.
+
+        Collective: every rank calls it in the same order with the same numel and dtype.  An
+        in-place all_reduce of a tensor at the same place of such a buffer on every rank moves
+        no staging copies (see [Note: shared buffers] in csrc/engine.h); DDP puts its gradient
+        buckets there.
+        """
+        nbytes = numel * element_size(dtype)
+        buffer = self._c.share(nbytes)
+        if numel == 0:
+            return torch.empty(0, dtype=dtype)
+        return torch.frombuffer(buffer, dtype=dtype, count=numel)
+
     def abort(self, reason):
         """Fails this group here and on every peer of this node (they raise at once)."""
         if not self._c.closed:

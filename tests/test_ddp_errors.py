@@ -273,7 +273,6 @@ def validation_cases():
             "not a group", dptc.comm_hooks.allreduce_hook),
         "check_reduction_warns": check_reduction,
         "sparse_embedding": lambda: DDP(nn.Embedding(10, 4, sparse=True)),
-        "converted_after_wrapping": converted_after_wrapping,
         "static_graph": lambda: DDP(model(), static_graph=True),
         "skip_all_reduce_unused_params": lambda: DDP(model(), find_unused_parameters=True,
                                                      skip_all_reduce_unused_params=True),
@@ -282,6 +281,9 @@ def validation_cases():
         "torch_hooks_by_identity": torch_hooks,
         "bucket_cap_mb_list": lambda: DDP(model(), bucket_cap_mb_list=[1, 4]),
         "init_sync_false": lambda: DDP(model(), init_sync=False),
+        # Last: a failure inside backward aborts the group (so peers raise instead of
+        # hanging), and every later collective, a new wrapper's included, fails.
+        "converted_after_wrapping": converted_after_wrapping,
     }
     results = {}
     for name, case in cases.items():
