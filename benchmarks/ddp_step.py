@@ -14,7 +14,7 @@ that the machine's noise falls on all of them alike:
     torch DDP   torch.nn.parallel.DistributedDataParallel on gloo
     dptc DDP    dptc.DistributedDataParallel
     torch comm  torch.distributed.all_reduce of the gradient bytes, in bucket_cap_mb pieces
-    dptc comm   dptc.all_reduce of the same
+    dptc comm   dptc.all_reduce of the same, on a shared buffer as dptc's DDP buckets are
 
 Each phase's time is the median over its timed steps of the slowest rank's step.  The share
 of the communication hidden behind backward is
@@ -111,14 +111,18 @@ def comm_step(all_reduce, pieces):
         all_reduce(piece)
 
 
-def gradient_pieces(model, bucket_cap_mb):
-    """A zeroed buffer as large as the gradients, cut into bucket_cap_mb views."""
+def gradient_pieces(model, bucket_cap_mb, allocate=None):
+    """A zeroed buffer as large as the gradients, cut into bucket_cap_mb views.
+
+    allocate(numel, dtype) makes the buffer (torch.zeros by default); dptc's side uses its
+    shared buffers, where its DDP keeps its buckets."""
     params = [p for p in model.parameters() if p.requires_grad]
     dtypes = {p.dtype for p in params}
     if len(dtypes) != 1:
         raise ValueError(f"the comm-only phase assumes one parameter dtype, got {dtypes}")
     dtype = dtypes.pop()
-    buffer = torch.zeros(sum(p.numel() for p in params), dtype=dtype)
+    allocate = allocate or (lambda numel, dtype: torch.zeros(numel, dtype=dtype))
+    buffer = allocate(sum(p.numel() for p in params), dtype)
     per_piece = max(1, int(bucket_cap_mb * MB) // buffer.element_size())
     return buffer, list(buffer.split(per_piece))
 
@@ -194,13 +198,18 @@ def main(argv=None):
     inputs = torch.randint(args.vocab, (args.batch, args.ctx), generator=generator)
     targets = torch.randint(args.vocab, (args.batch, args.ctx), generator=generator)
     buffer, pieces = gradient_pieces(base, args.bucket_cap_mb)
+    test_buffer, test_pieces = buffer, pieces
+    if args.impl == "dptc":
+        import dptc
+        test_buffer, test_pieces = gradient_pieces(
+            base, args.bucket_cap_mb, dptc.group.default_group().empty_shared)
 
     phases = {
         "compute": lambda: train_step(models["compute"], optimizers["compute"], inputs, targets),
         "torch DDP": lambda: train_step(torch_ddp, optimizers["torch"], inputs, targets),
         f"{label} DDP": lambda: train_step(test_ddp, optimizers["test"], inputs, targets),
         "torch comm": lambda: comm_step(dist.all_reduce, pieces),
-        f"{label} comm": lambda: comm_step(test_all_reduce, pieces),
+        f"{label} comm": lambda: comm_step(test_all_reduce, test_pieces),
     }
     samples = run_phases(phases, args)
     medians = {name: slowest_rank_median(s) for name, s in samples.items()}
