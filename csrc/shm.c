@@ -535,6 +535,39 @@ static dptc_status broadcast(shm_transport *s, const dptc_coll *c, uint64_t seq,
     return DPTC_OK;
 }
 
+/* All-gather into shared outputs: each rank writes its input straight into
+ * its block of every peer's output; nobody else writes that block. */
+static dptc_status all_gather_shared(shm_transport *s, const dptc_coll *c, uint64_t seq,
+                                     double deadline, dptc_error *err)
+{
+    size_t bytes = c->count * dptc_dtype_size(c->dtype);
+    size_t at = s->shared_offset + (size_t)s->local_rank * bytes;
+    CHECK(begin_round(s, c, seq, deadline, err));
+    for (int p = 0; p < s->local_size; p++) {
+        unsigned char *dst = s->in_shared->base[p] + at;
+        if (dst != (const unsigned char *)c->input)  /* input may be my own block */
+            memmove(dst, c->input, bytes);
+    }
+    return step(s, deadline, err);
+}
+
+/* Reduce-scatter from shared inputs: rank r reduces block r of every peer's
+ * input into its output (which may be its own block r: nobody else reads
+ * it); the closing step tells peers their inputs are free again. */
+static dptc_status reduce_scatter_shared(shm_transport *s, const dptc_coll *c, uint64_t seq,
+                                         double deadline, dptc_error *err)
+{
+    size_t bytes = c->count * dptc_dtype_size(c->dtype);
+    size_t at = s->shared_offset + (size_t)s->local_rank * bytes;
+    CHECK(begin_round(s, c, seq, deadline, err));
+    const void *srcs[DPTC_MAX_LOCAL];
+    for (int p = 0; p < s->local_size; p++)
+        srcs[p] = s->in_shared->base[p] + at;
+    double scale = is_avg(c) ? 1.0 / s->local_size : 1.0;
+    CHECK(dptc_reduce(c->output, srcs, s->local_size, c->count, c->dtype, base_redop(c), scale));
+    return step(s, deadline, err);
+}
+
 /* All-gather.  Per round, a window of each rank's input is staged; across
  * nodes, the bridge gathers the windows of my local index from every node
  * into my slot; then every rank copies every slot's windows to their place
@@ -547,6 +580,8 @@ static dptc_status all_gather(shm_transport *s, const dptc_coll *c, uint64_t seq
     size_t window_max = elements_per(s->slot_bytes / parts, elsize);
     const unsigned char *in = c->input;
     unsigned char *out = c->output;
+    if (s->in_shared)
+        return all_gather_shared(s, c, seq, deadline, err);
     int first = 1;
     for (size_t done = 0; done < c->count || first;) {
         size_t w = c->count - done < window_max ? c->count - done : window_max;
@@ -584,6 +619,8 @@ static dptc_status reduce_scatter(shm_transport *s, const dptc_coll *c, uint64_t
     const unsigned char *in = c->input;
     unsigned char *out = c->output;
     double scale = is_avg(c) ? 1.0 / n : 1.0;
+    if (s->in_shared)
+        return reduce_scatter_shared(s, c, seq, deadline, err);
     int first = 1;
     for (size_t done = 0; done < c->count || first;) {
         size_t w = c->count - done < window_max ? c->count - done : window_max;
@@ -727,6 +764,27 @@ static const dptc_shared *find_shared(shm_transport *s, const void *ptr, size_t 
     return found;
 }
 
+/* The shared buffer a collective can work in place on (see [Note: shared
+ * buffers] in engine.h): the in-place all-reduce's tensor, the all-gather's
+ * output, the reduce-scatter's input; on one node only. */
+static const dptc_shared *find_shared_operand(shm_transport *s, const dptc_coll *c,
+                                              size_t *offset)
+{
+    if (s->bridge || c->count == 0)
+        return NULL;
+    size_t bytes = c->count * dptc_dtype_size(c->dtype);
+    switch (c->op) {
+    case DPTC_OP_ALL_REDUCE:
+        return c->input == c->output ? find_shared(s, c->input, bytes, offset) : NULL;
+    case DPTC_OP_ALL_GATHER:
+        return find_shared(s, c->output, bytes * (size_t)s->local_size, offset);
+    case DPTC_OP_REDUCE_SCATTER:
+        return find_shared(s, c->input, bytes * (size_t)s->local_size, offset);
+    default:
+        return NULL;
+    }
+}
+
 /* DPTC_OP_SHARE: every local rank creates its segment, waits for all, maps
  * its peers', waits again, and removes its name, so nothing is left in
  * /dev/shm.  On failure every rank removes every name: a peer that died
@@ -777,10 +835,7 @@ static dptc_status shm_run(dptc_transport *t, const dptc_coll *c, uint64_t seq,
     if (atomic_load(&s->header->aborted))
         return aborted_error(s, err);
     s->unchecked = 1;
-    s->in_shared = NULL;
-    if (c->op == DPTC_OP_ALL_REDUCE && !s->bridge && c->input == c->output && c->count > 0)
-        s->in_shared = find_shared(s, c->input, c->count * dptc_dtype_size(c->dtype),
-                                   &s->shared_offset);
+    s->in_shared = find_shared_operand(s, c, &s->shared_offset);
     if (s->bridge) {
         /* Locally, then across nodes, before the first byte moves: a bridged
          * step issued by mismatched nodes could otherwise wait in gloo. */

@@ -65,3 +65,36 @@ def outlives_group():
     dptc.destroy_process_group()
     tensor += 1
     return tensor.sum().item()
+
+
+def gather_scatter_cases():
+    """all_gather_into_tensor into shared outputs and reduce_scatter_tensor from shared inputs,
+    out of place and in place (the shard being the rank's own block); returns failures."""
+    import dptc
+    pg = dptc.group.default_group()
+    rank, size = pg.rank, pg.size
+    failures = []
+    for dtype in DTYPES:
+        for count in COUNTS:
+            shards = [_inputs(count, r, dtype) for r in range(size)]
+            gathered = torch.cat(shards)
+            for in_place in (False, True):
+                out = pg.empty_shared(size * count, dtype)
+                out.fill_(1)
+                shard = out[rank * count:(rank + 1) * count] if in_place else shards[rank].clone()
+                shard.copy_(shards[rank])
+                dptc.all_gather_into_tensor(out, shard)
+                if not torch.equal(out, gathered):
+                    failures.append(f"all_gather {dtype} count={count} in_place={in_place}")
+                full = pg.empty_shared(size * count, dtype)
+                full.copy_(torch.cat([_inputs(count, rank + r, dtype) for r in range(size)]))
+                block = full[rank * count:(rank + 1) * count] if in_place \
+                    else torch.full((count,), 99, dtype=dtype)
+                dptc.reduce_scatter_tensor(block, full, op=dptc.ReduceOp.SUM)
+                want = sum(_inputs(count, q + rank, dtype).double() for q in range(size))
+                tolerance = 1e-2 if dtype in (torch.bfloat16, torch.float16) else 0.0
+                error = (block.double() - want).abs().max().item()
+                if error > tolerance * max(1.0, want.abs().max().item()):
+                    failures.append(f"reduce_scatter {dtype} count={count} in_place={in_place}: "
+                                    f"max error {error}")
+    return failures
