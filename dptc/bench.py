@@ -126,6 +126,20 @@ def format_bytes(size):
 # ---------------------------------------------------------------------------------------------
 # Launching
 
+def without_nproc(argv):
+    """argv less --nproc: the ranks do not need it, and torch.distributed.run would take it
+    for an abbreviation of its own --nproc-per-node."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--nproc":
+            skip = True
+        elif not arg.startswith("--nproc="):
+            kept.append(arg)
+    return kept
+
+
 def run_under_torchrun(target, argv, nproc):
     """Start nproc ranks of target (['-m', module] or [script]) and return their exit status.
 
@@ -138,7 +152,7 @@ def run_under_torchrun(target, argv, nproc):
     env["OMP_NUM_THREADS"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={nproc}", *target, *argv]
+               f"--nproc_per_node={nproc}", *target, *without_nproc(argv)]
     process = subprocess.Popen(command, env=env)
     try:
         return process.wait()
