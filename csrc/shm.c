@@ -394,12 +394,29 @@ static dptc_status all_reduce_small(shm_transport *s, const dptc_coll *c, uint64
     size_t bytes = c->count * dptc_dtype_size(c->dtype);
     copy(slot_buffer(s, s->local_rank, s->rounds), c->input, bytes);
     CHECK(begin_round(s, c, seq, deadline, err));
-    const void *srcs[64];
+    const void *srcs[DPTC_MAX_LOCAL];
     for (int p = 0; p < s->local_size; p++)
         srcs[p] = slot_buffer(s, p, s->rounds);
     s->rounds++;
     double scale = is_avg(c) ? 1.0 / (s->local_size * s->nnodes) : 1.0;
     return dptc_reduce(c->output, srcs, s->local_size, c->count, c->dtype, base_redop(c), scale);
+}
+
+/* The elements [lo, hi) of count that rank p of n reduces.  Parts are whole
+ * multiples of 64 elements (so they start aligned), at most max_part; the
+ * last ranks' parts may be short or empty. */
+typedef struct {
+    size_t lo, hi;
+} span;
+
+static span part_of(size_t count, int n, int p, size_t max_part)
+{
+    size_t part = round_up((count + (size_t)n - 1) / (size_t)n, CACHE_LINE);
+    if (part > max_part)
+        part = max_part;
+    size_t lo = (size_t)p * part < count ? (size_t)p * part : count;
+    size_t hi = lo + part < count ? lo + part : count;
+    return (span){lo, hi};
 }
 
 /* Large all-reduce: per round, each rank stages a chunk, reduces its part
@@ -418,22 +435,14 @@ static dptc_status all_reduce_large(shm_transport *s, const dptc_coll *c, uint64
     double scale = is_avg(c) ? 1.0 / (n * s->nnodes) : 1.0;
     for (size_t done = 0; done < c->count || first;) {
         size_t chunk = c->count - done < chunk_max ? c->count - done : chunk_max;
-        size_t part = (chunk + (size_t)n - 1) / (size_t)n;
-        part = (part + CACHE_LINE - 1) / CACHE_LINE * CACHE_LINE;
-        if (part > part_max)
-            part = part_max;
         copy(slot_buffer(s, s->local_rank, s->rounds), in + done * elsize, chunk * elsize);
         CHECK(begin_round(s, c, seq, deadline, err));
         first = 0;
-        /* My part: [lo, hi) of this chunk. */
-        size_t lo = (size_t)s->local_rank * part, hi = lo + part;
-        if (lo > chunk)
-            lo = chunk;
-        if (hi > chunk)
-            hi = chunk;
+        span my = part_of(chunk, n, s->local_rank, part_max);
+        size_t lo = my.lo, hi = my.hi;
         unsigned char *mine = slot_buffer(s, s->local_rank, s->rounds) + lo * elsize;
         if (hi > lo) {
-            const void *srcs[64];
+            const void *srcs[DPTC_MAX_LOCAL];
             for (int p = 0; p < n; p++)
                 srcs[p] = slot_buffer(s, p, s->rounds) + lo * elsize;
             double local_scale = s->bridge ? 1.0 : scale;
@@ -446,14 +455,9 @@ static dptc_status all_reduce_large(shm_transport *s, const dptc_coll *c, uint64
         }
         CHECK(step(s, deadline, err));
         for (int p = 0; p < n; p++) {
-            size_t plo = (size_t)p * part, phi = plo + part;
-            if (plo > chunk)
-                plo = chunk;
-            if (phi > chunk)
-                phi = chunk;
-            if (phi > plo)
-                copy(out + (done + plo) * elsize, slot_buffer(s, p, s->rounds) + plo * elsize,
-                       (phi - plo) * elsize);
+            span their = part_of(chunk, n, p, part_max);
+            copy(out + (done + their.lo) * elsize, slot_buffer(s, p, s->rounds) + their.lo * elsize,
+                 (their.hi - their.lo) * elsize);
         }
         s->rounds++;
         done += chunk;
@@ -473,13 +477,8 @@ static dptc_status all_reduce_shared(shm_transport *s, const dptc_coll *c, uint6
 {
     size_t elsize = dptc_dtype_size(c->dtype);
     int n = s->local_size;
-    size_t part = (c->count + (size_t)n - 1) / (size_t)n;
-    part = (part + CACHE_LINE - 1) / CACHE_LINE * CACHE_LINE;
-    size_t lo = (size_t)s->local_rank * part, hi = lo + part;
-    if (lo > c->count)
-        lo = c->count;
-    if (hi > c->count)
-        hi = c->count;
+    span my = part_of(c->count, n, s->local_rank, SIZE_MAX);
+    size_t lo = my.lo, hi = my.hi;
     CHECK(begin_round(s, c, seq, deadline, err));
     if (hi > lo) {
         const void *srcs[DPTC_MAX_LOCAL];
@@ -503,8 +502,7 @@ static dptc_status all_reduce(shm_transport *s, const dptc_coll *c, uint64_t seq
     if (s->in_shared)
         return all_reduce_shared(s, c, seq, deadline, err);
     size_t bytes = c->count * dptc_dtype_size(c->dtype);
-    if (s->nnodes == 1 && s->local_size <= 64 &&
-        (bytes <= 16384 || (s->local_size == 1 && bytes <= s->slot_bytes)))
+    if (s->nnodes == 1 && (bytes <= 16384 || (s->local_size == 1 && bytes <= s->slot_bytes)))
         return all_reduce_small(s, c, seq, deadline, err);
     return all_reduce_large(s, c, seq, deadline, err);
 }
@@ -633,7 +631,7 @@ static dptc_status reduce_scatter(shm_transport *s, const dptc_coll *c, uint64_t
         unsigned char *scratch = mine + (size_t)n * window_max * elsize;
         for (int node = 0; node < s->nnodes; node++) {
             size_t g = (size_t)node * (size_t)s->local_size + (size_t)s->local_rank;
-            const void *srcs[64];
+            const void *srcs[DPTC_MAX_LOCAL];
             for (int p = 0; p < s->local_size; p++)
                 srcs[p] = slot_buffer(s, p, s->rounds) + g * window_max * elsize;
             void *dst = s->bridge ? scratch + (size_t)node * w * elsize : out + done * elsize;
@@ -959,10 +957,11 @@ exit:
 dptc_status dptc_shm_open(const dptc_group_config *cfg, dptc_transport **out, dptc_error *err)
 {
     dptc_status status = DPTC_OK;
-    if (cfg->local_size < 1 || cfg->local_size > 64 || cfg->local_rank < 0 ||
+    if (cfg->local_size < 1 || cfg->local_size > DPTC_MAX_LOCAL || cfg->local_rank < 0 ||
         cfg->local_rank >= cfg->local_size)
-        return dptc_fail(err, DPTC_ERR_INVALID, "local rank %d of %d is out of range (1..64 ranks)",
-                         cfg->local_rank, cfg->local_size);
+        return dptc_fail(err, DPTC_ERR_INVALID,
+                         "local rank %d of %d is out of range (1..%d ranks per node)",
+                         cfg->local_rank, cfg->local_size, DPTC_MAX_LOCAL);
     shm_transport *s = calloc(1, sizeof *s);
     if (!s)
         return dptc_fail(err, DPTC_ERR_NOMEM, "out of memory");
