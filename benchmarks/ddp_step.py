@@ -68,6 +68,8 @@ def parse_args(argv):
     parser.add_argument("--block", type=int, default=1,
                         help="consecutive steps of one phase before the next phase runs "
                              "(default 1: the phases take turns every step)")
+    parser.add_argument("--bucket-view", action="store_true",
+                        help="gradient_as_bucket_view=True on both wrappers")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     parser.add_argument("--timeout", type=float, default=600,
@@ -86,15 +88,17 @@ def parse_args(argv):
 # ---------------------------------------------------------------------------------------------
 # The two sides
 
-def wrap_test_side(impl, model, bucket_cap_mb):
+def wrap_test_side(impl, model, bucket_cap_mb, bucket_view=False):
     """(label, wrapped model, all_reduce) for dptc's side of the comparison."""
     if impl == "dptc":
         dptc = import_dptc()
         dptc.init_process_group()
-        return "dptc", dptc.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb), \
-            dptc.all_reduce
+        wrapped = dptc.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb,
+                                               gradient_as_bucket_view=bucket_view)
+        return "dptc", wrapped, dptc.all_reduce
     group = dist.new_group(backend="gloo")
-    wrapped = TorchDDP(model, process_group=group, bucket_cap_mb=bucket_cap_mb)
+    wrapped = TorchDDP(model, process_group=group, bucket_cap_mb=bucket_cap_mb,
+                       gradient_as_bucket_view=bucket_view)
     return "torch*", wrapped, lambda tensor: dist.all_reduce(tensor, group=group)
 
 
@@ -188,9 +192,10 @@ def main(argv=None):
     base = build_gpt(vocab=args.vocab, d_model=args.d_model, n_layer=args.n_layer,
                      n_head=args.n_head, ctx=args.ctx)
     models = {name: copy.deepcopy(base) for name in ("compute", "torch", "test")}
-    torch_ddp = TorchDDP(models["torch"], bucket_cap_mb=args.bucket_cap_mb)
+    torch_ddp = TorchDDP(models["torch"], bucket_cap_mb=args.bucket_cap_mb,
+                         gradient_as_bucket_view=args.bucket_view)
     label, test_ddp, test_all_reduce = wrap_test_side(args.impl, models["test"],
-                                                      args.bucket_cap_mb)
+                                                      args.bucket_cap_mb, args.bucket_view)
     optimizers = {name: torch.optim.AdamW(model.parameters(), lr=1e-4)
                   for name, model in models.items()}
 
@@ -229,7 +234,8 @@ def main(argv=None):
         print(f"# model: examples/gpt.py build_gpt(vocab={args.vocab}, d_model={args.d_model}, "
               f"n_layer={args.n_layer}, n_head={args.n_head}, ctx={args.ctx}), "
               f"{params / 1e6:.2f} M parameters, {buffer.nbytes / MB:.1f} MiB of gradients "
-              f"in {len(pieces)} piece(s) of <= {args.bucket_cap_mb:g} MiB")
+              f"in {len(pieces)} piece(s) of <= {args.bucket_cap_mb:g} MiB"
+              f"{', gradient_as_bucket_view=True' if args.bucket_view else ''}")
         print(f"# step: batch {args.batch}x{args.ctx} per rank, forward + cross-entropy + "
               f"backward + AdamW; {args.warmup} warm-up and {args.steps} timed steps per phase "
               f"in blocks of {args.block}; time = median over steps of the slowest rank")
