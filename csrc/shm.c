@@ -678,6 +678,9 @@ static void shared_name(const shm_transport *s, int local, uint64_t id, char *ou
     snprintf(out, n, "%s-r%d-b%llu", s->name, local, (unsigned long long)id);
 }
 
+/* Creates (0600, failing if the name exists) or opens the segment `name` of
+ * `bytes` bytes and maps it.  An opened segment of another size means the
+ * local ranks disagree on what they are mapping. */
 static dptc_status map_shared(const char *name, int create, size_t bytes, unsigned char **out,
                               dptc_error *err)
 {
@@ -688,6 +691,13 @@ static dptc_status map_shared(const char *name, int create, size_t bytes, unsign
     if (create && ftruncate(fd, (off_t)bytes) != 0) {
         status = dptc_fail(err, DPTC_ERR_SYSTEM, "ftruncate of %s to %zu bytes failed: %s", name,
                            bytes, strerror(errno));
+        goto exit;
+    }
+    struct stat st;
+    if (fstat(fd, &st) != 0 || (size_t)st.st_size != bytes) {
+        status = dptc_fail(err, DPTC_ERR_SYSTEM,
+                           "shared segment %s has %lld bytes, expected %zu: local ranks disagree "
+                           "on its size", name, (long long)st.st_size, bytes);
         goto exit;
     }
     void *map = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
@@ -923,35 +933,9 @@ void *dptc_shm_slot(dptc_transport *t, int local, size_t *bytes)
 static dptc_status map_segment(shm_transport *s, const dptc_group_config *cfg, dptc_error *err)
 {
     size_t bytes = slots_offset(cfg->local_size) + (size_t)cfg->local_size * s->region;
-    int flags = cfg->create ? O_RDWR | O_CREAT | O_EXCL : O_RDWR;
-    int fd = shm_open(cfg->shm_name, flags, 0600);
-    if (fd < 0)
-        return dptc_fail(err, DPTC_ERR_SYSTEM, "shm_open(%s) failed: %s", cfg->shm_name,
-                         strerror(errno));
-    dptc_status status = DPTC_OK;
-    if (cfg->create && ftruncate(fd, (off_t)bytes) != 0) {
-        status = dptc_fail(err, DPTC_ERR_SYSTEM, "ftruncate of %s to %zu bytes failed: %s",
-                           cfg->shm_name, bytes, strerror(errno));
-        goto exit;
-    }
-    struct stat st;
-    if (fstat(fd, &st) != 0 || (size_t)st.st_size != bytes) {
-        status = dptc_fail(err, DPTC_ERR_SYSTEM,
-                           "shared segment %s has %lld bytes, expected %zu: local ranks disagree "
-                           "on the group's shape", cfg->shm_name, (long long)st.st_size, bytes);
-        goto exit;
-    }
-    void *map = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    if (map == MAP_FAILED) {
-        status = dptc_fail(err, DPTC_ERR_SYSTEM, "mmap of %zu bytes failed: %s", bytes,
-                           strerror(errno));
-        goto exit;
-    }
-    s->map = map;
+    CHECK(map_shared(cfg->shm_name, cfg->create, bytes, &s->map, err));
     s->map_bytes = bytes;
-exit:
-    close(fd);
-    return status;
+    return DPTC_OK;
 }
 
 dptc_status dptc_shm_open(const dptc_group_config *cfg, dptc_transport **out, dptc_error *err)
