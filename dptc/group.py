@@ -312,8 +312,14 @@ def get_world_size(group=None):
 
 
 def destroy_process_group(group=None):
-    """Stops dptc's engine; also tears down torch.distributed if dptc set it up."""
-    global _default, _owns_torch_group
+    """Stops dptc's engine and removes its shared memory.
+
+    A torch.distributed group that dptc initialised itself stays up, so that a later
+    init_process_group reuses it, and is torn down at exit: tearing it down here would make
+    rank 0 restart the TCPStore server on MASTER_PORT while peers may still reach the old one,
+    and a re-initialisation then waits on keys nobody writes.
+    """
+    global _default
     if group is not None and group is not _default:
         resolve(group).close()
         return
@@ -321,9 +327,14 @@ def destroy_process_group(group=None):
         return
     _default.close()
     _default = None
+
+
+def _shutdown():
+    global _owns_torch_group
+    destroy_process_group()
     if _owns_torch_group and dist.is_initialized():
         dist.destroy_process_group()
-        _owns_torch_group = False
+    _owns_torch_group = False
 
 
-atexit.register(lambda: _default.close() if _default is not None else None)
+atexit.register(_shutdown)

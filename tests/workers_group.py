@@ -40,7 +40,7 @@ def reinit_and_info(use_torch_init: bool):
         sums.append(t[0].item())
         dptc.destroy_process_group()
         sums.append(dptc.is_initialized())
-    # torch.distributed stays as the script left it: dptc only tears down what it set up.
+    # torch.distributed stays up: the script's own, or the one dptc set up (torn down at exit).
     results["torch_initialized_at_end"] = dist.is_initialized()
     results["sums"] = sums
     return results
