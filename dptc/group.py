@@ -104,13 +104,16 @@ def _timeout_seconds(timeout):
     return float(timeout)
 
 
-def _init_torch(timeout):
-    """Initialises torch.distributed with gloo from the environment, if needed."""
+def _init_torch(timeout, explicit):
+    """Initialises torch.distributed with gloo, if needed: from `explicit` (the arguments of
+    init_process_group that torch's takes, when any is given), else from the environment."""
     global _owns_torch_group
     if dist.is_initialized():
         return
     delta = datetime.timedelta(seconds=timeout)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    if explicit:
+        dist.init_process_group("gloo", timeout=delta, **explicit)
+    elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         for name in ("MASTER_ADDR", "MASTER_PORT"):
             if name not in os.environ:
                 raise ValueError(f"{name} is not set; launch with torchrun, or set RANK, "
@@ -162,7 +165,8 @@ def _make_bridge(engine, local_rank, local_size, nnodes, cross_group):
     slot = torch.frombuffer(engine.slot(local_rank), dtype=torch.uint8)
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-    rank = lambda node: node * local_size + local_rank  # noqa: E731
+    def rank(node):
+        return node * local_size + local_rank
 
     def check(collective, dtype, redop, count, seq, root, text):
         mine = torch.tensor([collective, dtype, redop, count, seq, root], dtype=torch.int64)
@@ -246,19 +250,18 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
     torch.distributed group it builds on).  ``timeout`` (seconds or timedelta;
     default $DPTC_TIMEOUT or 300 s) bounds every wait.
     """
-    global _default, _generation, _owns_torch_group
+    global _default, _generation
     if _default is not None:
         return _default
     if backend not in (None, "dptc", "gloo", "cpu:gloo"):
         raise ValueError(f"backend must be None, 'dptc' or 'gloo', got {backend!r}; dptc "
                          f"moves CPU bytes itself and uses gloo only between nodes")
     seconds = _timeout_seconds(timeout)
-    if not dist.is_initialized() and (init_method is not None or store is not None
-                                      or world_size != -1 or rank != -1):
-        dist.init_process_group("gloo", init_method=init_method, timeout=datetime.timedelta(
-            seconds=seconds), world_size=world_size, rank=rank, store=store, **kwargs)
-        _owns_torch_group = True
-    _init_torch(seconds)
+    explicit = {}
+    if init_method is not None or store is not None or world_size != -1 or rank != -1:
+        explicit = dict(init_method=init_method, world_size=world_size, rank=rank, store=store,
+                        **kwargs)
+    _init_torch(seconds, explicit)
     rank, size = dist.get_rank(), dist.get_world_size()
     base_store = dist.distributed_c10d._get_default_store()
     _generation += 1
@@ -294,8 +297,6 @@ def resolve(group, argname="group"):
     """Maps None, a dptc ProcessGroup or torch's default group to a ProcessGroup."""
     if group is None or isinstance(group, ProcessGroup):
         return default_group() if group is None else group
-    if dist.is_initialized() and group is dist.group.WORLD:
-        return default_group()
     if dist.is_initialized() and isinstance(group, dist.ProcessGroup) \
             and dist.get_world_size(group) == dist.get_world_size():
         return default_group()
