@@ -16,6 +16,41 @@ dptc_status dptc_fail(dptc_error *err, dptc_status status, const char *fmt, ...)
     return status;
 }
 
+/* See [Note: interrupts] in dptc.h. */
+static _Thread_local struct {
+    dptc_interrupt_check check;
+    void *arg;
+    double next;
+    int fired;
+} interrupt;
+
+void dptc_set_interrupt_check(dptc_interrupt_check check, void *arg,
+                              dptc_interrupt_check *previous, void **previous_arg)
+{
+    if (previous)
+        *previous = interrupt.check;
+    if (previous_arg)
+        *previous_arg = interrupt.arg;
+    interrupt.check = check;
+    interrupt.arg = arg;
+    interrupt.next = 0;
+    interrupt.fired = 0;
+}
+
+int dptc_interrupted(void)
+{
+    if (!interrupt.check)
+        return 0;
+    if (interrupt.fired)
+        return 1;
+    double now = dptc_now();
+    if (now < interrupt.next)
+        return 0;
+    interrupt.next = now + DPTC_INTERRUPT_PERIOD_S;
+    interrupt.fired = interrupt.check(interrupt.arg) != 0;
+    return interrupt.fired;
+}
+
 double dptc_now(void)
 {
     struct timespec ts;
@@ -47,7 +82,7 @@ const char *dptc_dtype_name(dptc_dtype dtype)
 const char *dptc_op_name(dptc_op op)
 {
     static const char *names[DPTC_OP_COUNT] = {"all_reduce", "broadcast", "all_gather_into_tensor",
-                                               "reduce_scatter_tensor", "barrier", "share"};
+                                               "reduce_scatter_tensor", "barrier", "call"};
     return (unsigned)op < DPTC_OP_COUNT ? names[op] : "unknown collective";
 }
 

@@ -21,6 +21,7 @@ typedef enum {
     DPTC_ERR_MISMATCH,    /* ranks issued different collectives */
     DPTC_ERR_ABORTED,     /* the group was aborted (locally or by a peer) */
     DPTC_ERR_PYTHON,      /* a Python call failed (bridge, hooks); message holds it */
+    DPTC_ERR_INTERRUPTED, /* the waiting thread was interrupted (Ctrl-C); see dptc_interrupted */
 } dptc_status;
 
 /* Element types.  The codes are part of the Python <-> C contract:
@@ -55,7 +56,7 @@ typedef enum {
     DPTC_OP_ALL_GATHER = 2,
     DPTC_OP_REDUCE_SCATTER = 3,
     DPTC_OP_BARRIER = 4,
-    DPTC_OP_SHARE = 5,   /* maps a new shared buffer on every local rank (engine.h) */
+    DPTC_OP_CALL = 5,    /* a transport's own ordered step (dptc_coll.call), e.g. shm's share */
     DPTC_OP_COUNT
 } dptc_op;
 
@@ -93,5 +94,32 @@ dptc_status dptc_fail(dptc_error *err, dptc_status status, const char *fmt, ...)
 
 /* Monotonic clock in seconds. */
 double dptc_now(void);
+
+/* [Note: interrupts]
+ * A thread that waits on behalf of Python (with the GIL released) must let
+ * Ctrl-C through.  module.c installs, for the duration of such a wait, a
+ * thread-local check that takes the GIL and runs the signal handlers; every
+ * slow wait loop in the engine and its transports calls dptc_interrupted(),
+ * which runs that check at most every DPTC_INTERRUPT_PERIOD_S and is a no-op
+ * on threads without one (progress threads).  A wait that sees it returns
+ * DPTC_ERR_INTERRUPTED, which aborts the group like any other failure, so
+ * the peers raise too. */
+#define DPTC_INTERRUPT_PERIOD_S 0.1
+typedef int (*dptc_interrupt_check)(void *arg);   /* nonzero: stop waiting */
+/* Installs check for the calling thread (NULL removes it); returns the previous one. */
+void dptc_set_interrupt_check(dptc_interrupt_check check, void *arg,
+                              dptc_interrupt_check *previous, void **previous_arg);
+/* Nonzero once the calling thread's check has fired (sticky until the check is replaced). */
+int dptc_interrupted(void);
+
+/* One iteration's pause inside a spin loop (x86's pause, arm's yield). */
+static inline void dptc_cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__) || defined(__arm__)
+    __asm__ __volatile__("yield" ::: "memory");
+#endif
+}
 
 #endif /* DPTC_H */

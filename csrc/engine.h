@@ -1,35 +1,68 @@
-/* engine.h — process groups, their ordered work queue and work handles.
+/* engine.h — process groups, their ordered streams of work, work handles.
  *
  * [Note: tensors across the C boundary]
- * C never sees torch's C++ types.  Python hands C a data pointer, an element
- * count and a dtype code for each buffer, and keeps the tensors alive (the
- * Python Work object holds them) until the work has completed.  The engine
- * never calls back into Python on the hot path; the one exception is the
- * cross-node bridge (bridge.c), which takes the GIL to call gloo.
+ * C never sees torch's C++ types.  module.c receives tensor objects, asks
+ * each for its data pointer once (data_ptr()) and keeps a reference to the
+ * tensor until the last work that touches it has completed.  When a wait
+ * gives up (timeout, Ctrl-C), the group is aborted first, which makes queued
+ * work fail at once and running work stop at its next wait; if the work
+ * still has not completed after that, its tensors are leaked rather than
+ * released (see [Note: memory of unfinished work] in module.c).  The engine
+ * never calls back into Python on the hot path; the exceptions are the
+ * cross-node bridge (bridge.c), which takes the GIL to call gloo, and the
+ * interrupt check (see [Note: interrupts] in dptc.h).
  *
  * [Note: collective order]
- * Every rank must issue a group's collectives in the same order.  The engine
- * numbers them (seq) and, inside the transport's first synchronisation of
- * each collective, compares a fingerprint (op, dtype, redop, count, root,
- * seq) with every peer.  A difference aborts the group on every rank with
- * DPTC_ERR_MISMATCH and a message naming what each side issued.
+ * Every rank must issue a stream's collectives in the same order.  The
+ * engine numbers them per stream (seq) and, inside the transport's first
+ * synchronisation of each collective, the transport compares a fingerprint
+ * (op, dtype, redop, count, root, seq) with every peer.  A difference aborts
+ * the group on every rank with DPTC_ERR_MISMATCH and a message naming what
+ * each side issued.
+ *
+ * [Note: streams]
+ * A group has nstreams independent ordered streams (DPTC_MAX_STREAMS at
+ * most).  Each has its own queue, its own progress thread and its own
+ * sequence numbers, and the transport gives each its own channel, so work on
+ * one stream never waits behind work on another: an FSDP prefetch
+ * all-gather on stream 0 completes while a gradient reduce-scatter runs on
+ * stream 1.  Failure is per group: a failure on any stream aborts them all.
  */
 #ifndef DPTC_ENGINE_H
 #define DPTC_ENGINE_H
 
 #include "dptc.h"
 
+#define DPTC_MAX_STREAMS 4
+#define DPTC_MAX_LOCAL 64
+
 typedef struct dptc_group dptc_group;
 typedef struct dptc_work dptc_work;
+typedef struct dptc_transport dptc_transport;
+typedef struct dptc_coll dptc_coll;
 
-/* One collective, as issued by a rank.
+/* Where an operation runs and by when: its stream, its number there (see
+ * [Note: collective order]) and its deadline (dptc_now() seconds). */
+typedef struct {
+    int stream;
+    uint64_t seq;
+    double deadline;
+} dptc_order;
+
+/* One collective, as issued by a rank.  count is per rank (the shard size
+ * for gather/scatter).
  *   ALL_REDUCE:     input[count] -> output[count] (input == output allowed)
  *   BROADCAST:      input == output, count elements, from group rank root
- *   ALL_GATHER:     input[count] -> output[size * count], by rank
+ *   ALL_GATHER:     input[count] -> output[size * count], by rank; or, with
+ *                   noutputs > 0, into several outputs: the input is the
+ *                   concatenation of pieces of output_counts[j] elements and
+ *                   output j receives size * output_counts[j] elements, rank
+ *                   r's piece at r * output_counts[j] (FSDP gathers straight
+ *                   into per-parameter storage this way)
  *   REDUCE_SCATTER: input[size * count] -> output[count]
  *   BARRIER:        no buffers, count 0
- * count is per rank (the shard size for gather/scatter). */
-typedef struct {
+ *   CALL:           call(transport, order, call_arg, err), run in order */
+struct dptc_coll {
     dptc_op op;
     dptc_dtype dtype;
     dptc_redop redop;
@@ -37,76 +70,70 @@ typedef struct {
     void *output;
     size_t count;
     int root;
-} dptc_coll;
+    int noutputs;
+    void **outputs;            /* owned by the issuer until the work completes */
+    const size_t *output_counts;
+    dptc_status (*call)(dptc_transport *t, const dptc_order *order, void *arg, dptc_error *err);
+    void *call_arg;
+};
 
+/* The shape of a group as one rank sees it.  Group ranks are numbered node
+ * by node: rank = node * local_size + local_rank, every node holding
+ * local_size members (dptc/group.py maps any set of global ranks onto this). */
 typedef struct {
     int rank, size;               /* in the whole group */
-    int local_rank, local_size;   /* on this node (shared-memory peers) */
-    int node, nnodes;             /* global rank = node * local_size + local_rank */
+    int local_rank, local_size;   /* members on this node (shared-memory peers) */
+    int node, nnodes;             /* nodes the group spans */
+    int nstreams;                 /* see [Note: streams] */
     const char *shm_name;         /* "/dptc-<token>-<node>" */
     int create;                   /* local rank 0 creates the segment */
-    size_t slot_bytes;            /* staging bytes per rank per buffer */
+    size_t slot_bytes;            /* staging bytes per rank, stream and buffer */
     double timeout_s;             /* deadline of every wait */
+    const int *global_ranks;      /* size entries, for messages; NULL: the group ranks */
 } dptc_group_config;
 
-dptc_status dptc_group_create(const dptc_group_config *config,
+typedef struct dptc_transport_ops dptc_transport_ops;
+
+/* Opens transport over the group config.  The group owns the transport. */
+dptc_status dptc_group_create(const dptc_transport_ops *transport, const dptc_group_config *config,
                               dptc_group **out, dptc_error *err);
-/* Attaches the cross-node step (a dptc_bridge *, see transport.h); the group
- * owns it.  Call before the first collective, with nnodes > 1. */
-void dptc_group_set_bridge(dptc_group *g, void *bridge);
-/* Removes the segment's name from /dev/shm (safe to call twice). */
-void dptc_group_unlink(dptc_group *g);
-/* Marks the group failed here and in shared memory, waking every waiter on
- * every local rank; later collectives fail with DPTC_ERR_ABORTED. */
+/* The group's transport, for the transport's own functions (shm.h). */
+dptc_transport *dptc_group_transport(dptc_group *g);
+/* Marks the group failed (DPTC_ERR_ABORTED) here and in the transport,
+ * waking every waiter on every peer; later collectives fail with the same
+ * message.  Safe from any thread, also after dptc_group_destroy (then a
+ * no-op). */
 void dptc_group_abort(dptc_group *g, const char *reason);
-/* Stops the progress thread (after draining or failing queued work) and
- * unmaps.  Call without the GIL. */
+/* Fails queued work, stops the progress threads and closes the transport;
+ * then drops the caller's reference.  Works still hold theirs, so a work
+ * outlives its group.  Call without the GIL. */
 void dptc_group_destroy(dptc_group *g);
+
+/* The group's recorded failure: its status (DPTC_OK while healthy) and, on
+ * failure, its message in err. */
+dptc_status dptc_group_failure(dptc_group *g, dptc_error *err);
 
 int dptc_group_rank(const dptc_group *g);
 int dptc_group_size(const dptc_group *g);
+int dptc_group_streams(const dptc_group *g);
 double dptc_group_timeout(const dptc_group *g);
-/* Base address and size of the staging area of local rank `local`
- * (the bridge wraps these in tensors); NULL when local is out of range. */
-void *dptc_group_slot(dptc_group *g, int local, size_t *bytes);
 
-/* [Note: shared buffers]
- * A shared buffer is memory every local rank maps: each rank creates a
- * segment of the same size (collectively, in collective order, so the
- * buffers of all ranks carry the same id) and maps its peers' segments
- * too.  An all-reduce whose tensor lies in a shared buffer, in place and at
- * the same offset on every rank, needs no staging: each rank reduces its
- * part straight from its peers' memory and writes the result into every
- * peer's buffer (shm.c, all_reduce_shared).  DDP allocates its gradient
- * buckets this way; FSDP will gather into shared parameters.  The mappings
- * belong to the dptc_shared (its owner unmaps them with dptc_shared_free),
- * so a buffer outlives the group that made it. */
-#define DPTC_MAX_LOCAL 64
-typedef struct {
-    uint64_t id;                          /* same on every local rank */
-    size_t bytes;
-    int local_rank, local_size;
-    unsigned char *base[DPTC_MAX_LOCAL];  /* every local rank's segment, mapped here */
-} dptc_shared;
+/* Queues c on stream.  *out receives a new work reference (release with
+ * dptc_work_release).  Safe without the GIL. */
+dptc_status dptc_group_submit(dptc_group *g, int stream, const dptc_coll *c, dptc_work **out,
+                              dptc_error *err);
+/* Runs c to completion: on the calling thread when the stream is idle,
+ * otherwise after its queued work.  When that wait gives up and the work has
+ * still not completed, *unfinished receives a reference to it (its buffers
+ * must outlive it); else NULL.  Call without the GIL. */
+dptc_status dptc_group_run(dptc_group *g, int stream, const dptc_coll *c, dptc_work **unfinished,
+                           dptc_error *err);
 
-/* Collective over the group's local ranks; blocking, call without the GIL.
- * Fills *out; the group remembers it until dptc_group_unshare. */
-dptc_status dptc_group_share(dptc_group *g, size_t nbytes, dptc_shared *out, dptc_error *err);
-/* Forgets sh (the group may no longer route collectives through it). */
-void dptc_group_unshare(dptc_group *g, dptc_shared *sh);
-/* Unmaps sh's segments.  After dptc_group_unshare, or when the group is gone. */
-void dptc_shared_free(dptc_shared *sh);
-
-/* Queues c for the progress thread.  *out receives a new work reference
- * (release with dptc_work_release).  Safe without the GIL. */
-dptc_status dptc_group_submit(dptc_group *g, const dptc_coll *c,
-                              dptc_work **out, dptc_error *err);
-/* Runs c to completion: on the calling thread when the queue is idle,
- * otherwise after the queued work.  Call without the GIL. */
-dptc_status dptc_group_run(dptc_group *g, const dptc_coll *c, dptc_error *err);
-
-/* Blocks until w completes or timeout_s seconds pass.  Returns the work's status; on failure copies its message into
- * err.  Call without the GIL. */
+/* Blocks until w completes, timeout_s seconds pass, or the thread is
+ * interrupted.  When it gives up, it aborts the group and waits (bounded) for
+ * the work to stop; check dptc_work_is_completed afterwards before releasing
+ * the work's buffers.  Returns the work's status; on failure copies its
+ * message into err (may be NULL).  Call without the GIL. */
 dptc_status dptc_work_wait(dptc_work *w, double timeout_s, dptc_error *err);
 int dptc_work_is_completed(const dptc_work *w);
 void dptc_work_retain(dptc_work *w);

@@ -1,7 +1,10 @@
 /* module.c — dptc._C: multi-phase init, module state, the Group and Work
  * types, and the one function that turns a status into an exception. */
+#include <limits.h>
+#include <unistd.h>
+
 #include "module.h"
-#include "transport.h"
+#include "shm.h"
 
 /* ------------------------------------------------------------------ */
 /* Module state */
@@ -45,6 +48,12 @@ PyObject *dptc_raise(dptc_module_state *st, dptc_status status, const dptc_error
             return NULL;
         type = st->dist_error;
         break;
+    case DPTC_ERR_INTERRUPTED:
+        /* The check (see [Note: interrupts]) left KeyboardInterrupt set. */
+        if (PyErr_Occurred())
+            return NULL;
+        type = PyExc_KeyboardInterrupt;
+        break;
     default:
         type = st->dist_error;
         break;
@@ -54,25 +63,93 @@ PyObject *dptc_raise(dptc_module_state *st, dptc_status status, const dptc_error
 }
 
 /* ------------------------------------------------------------------ */
+/* Interrupts and unfinished work */
+
+/* See [Note: interrupts] in dptc.h: runs Python's signal handlers (on the
+ * main thread; elsewhere PyErr_CheckSignals does nothing).  A handler that
+ * raises leaves its exception set on this thread for the caller to return. */
+static int check_signals(void *Py_UNUSED(arg))
+{
+    PyGILState_STATE gil = PyGILState_Ensure();
+    int stop = PyErr_CheckSignals() < 0;
+    PyGILState_Release(gil);
+    return stop;
+}
+
+void dptc_watch_signals(dptc_watch *saved)
+{
+    dptc_set_interrupt_check(check_signals, NULL, &saved->check, &saved->arg);
+}
+
+void dptc_unwatch_signals(const dptc_watch *saved)
+{
+    dptc_set_interrupt_check(saved->check, saved->arg, NULL, NULL);
+}
+
+/* [Note: memory of unfinished work]
+ * A wait that gives up aborts the group and then waits a little for its
+ * work to stop (dptc_work_wait).  Work inside the transport stops at its
+ * next wait, but a cross-node step blocked in gloo returns only when gloo
+ * gives up.  Until the work has completed, the tensors it reads and writes
+ * must stay: they are leaked (an extra reference nobody drops) rather than
+ * released, and the group is unusable anyway. */
+void dptc_leak(PyObject *obj) { Py_XINCREF(obj); }
+
+/* ------------------------------------------------------------------ */
+/* Group (struct first: Work and SharedBuffer refer to it) */
+
+typedef struct {
+    PyObject_HEAD
+    dptc_group *group;    /* owned; NULL once closed */
+    PyObject *errors;     /* exceptions the cross-node bridge raised (list) */
+    int rank, size;
+} GroupObject;
+
+/* Raises the exception for a status of group `self`: the bridge's own
+ * exception, type and message kept, when the failure came from there. */
+static PyObject *group_raise(GroupObject *self, dptc_module_state *st, dptc_status status,
+                             const dptc_error *err)
+{
+    if (status == DPTC_ERR_PYTHON && !PyErr_Occurred() && self &&
+        PyList_GET_SIZE(self->errors) > 0) {
+        PyObject *exc = PyList_GET_ITEM(self->errors, PyList_GET_SIZE(self->errors) - 1);
+        PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
+        return NULL;
+    }
+    return dptc_raise(st, status, err);
+}
+
+/* ------------------------------------------------------------------ */
 /* Work */
 
 typedef struct {
     PyObject_HEAD
     dptc_work *work;      /* owned */
+    GroupObject *group;   /* strong */
     PyObject *keepalive;  /* tensors the work reads or writes */
     double timeout_s;
 } WorkObject;
 
-PyObject *dptc_work_new(dptc_module_state *st, dptc_work *w, PyObject *keepalive)
+/* Creates a Work around w (steals the reference to w) keeping `keepalive`
+ * alive until the work has completed.  Returns a new reference. */
+static PyObject *work_new(dptc_module_state *st, GroupObject *group, dptc_work *w,
+                          PyObject *keepalive, double timeout_s)
 {
     WorkObject *self = PyObject_GC_New(WorkObject, st->work_type);
     if (!self) {
+        /* The work is queued: it must not outlive its buffers unobserved. */
+        Py_BEGIN_ALLOW_THREADS
+        dptc_work_wait(w, timeout_s, NULL);
+        Py_END_ALLOW_THREADS
+        if (!dptc_work_is_completed(w))
+            dptc_leak(keepalive);
         dptc_work_release(w);
         return NULL;
     }
     self->work = w;
+    self->group = (GroupObject *)Py_NewRef((PyObject *)group);
     self->keepalive = Py_XNewRef(keepalive);
-    self->timeout_s = 300.0;
+    self->timeout_s = timeout_s;
     PyObject_GC_Track(self);
     return (PyObject *)self;
 }
@@ -98,11 +175,22 @@ static PyObject *work_wait(WorkObject *self, PyObject *args, PyObject *kwargs)
     }
     dptc_error err;
     dptc_status status;
+    dptc_watch watch;
+    dptc_watch_signals(&watch);
     Py_BEGIN_ALLOW_THREADS
     status = dptc_work_wait(self->work, seconds, &err);
     Py_END_ALLOW_THREADS
+    dptc_unwatch_signals(&watch);
+    if (!dptc_work_is_completed(self->work)) {
+        dptc_leak(self->keepalive);
+    } else if (status == DPTC_OK && PyErr_Occurred()) {
+        /* Ctrl-C arrived as the work completed: still abort, as promised. */
+        if (self->group->group)
+            dptc_group_abort(self->group->group, "a rank was interrupted (KeyboardInterrupt)");
+        return NULL;
+    }
     if (status != DPTC_OK)
-        return dptc_raise(dptc_state_from_type(Py_TYPE(self)), status, &err);
+        return group_raise(self->group, dptc_state_from_type(Py_TYPE(self)), status, &err);
     Py_RETURN_TRUE;
 }
 
@@ -114,13 +202,19 @@ static PyObject *work_is_completed(WorkObject *self, PyObject *Py_UNUSED(ignored
 static int work_traverse(WorkObject *self, visitproc visit, void *arg)
 {
     Py_VISIT(Py_TYPE(self));
+    Py_VISIT(self->group);
     Py_VISIT(self->keepalive);
     return 0;
 }
 
 static int work_clear(WorkObject *self)
 {
+    /* Only completed work lets go of its tensors (see [Note: memory of
+     * unfinished work]). */
+    if (self->work && !dptc_work_is_completed(self->work))
+        return 0;
     Py_CLEAR(self->keepalive);
+    Py_CLEAR(self->group);
     return 0;
 }
 
@@ -128,13 +222,17 @@ static void work_dealloc(WorkObject *self)
 {
     PyTypeObject *type = Py_TYPE(self);
     PyObject_GC_UnTrack(self);
-    /* The engine may still write into the tensors we keep alive: wait. */
+    /* The engine may still write into the tensors we keep alive: wait;
+     * dptc_work_wait aborts the group if it has to give up. */
     if (self->work && !dptc_work_is_completed(self->work)) {
         Py_BEGIN_ALLOW_THREADS
-        dptc_work_wait(self->work, self->timeout_s * 2 + 1, NULL);
+        dptc_work_wait(self->work, self->timeout_s, NULL);
         Py_END_ALLOW_THREADS
+        if (!dptc_work_is_completed(self->work))
+            dptc_leak(self->keepalive);
     }
     dptc_work_release(self->work);
+    self->work = NULL;
     work_clear(self);
     type->tp_free(self);
     Py_DECREF(type);
@@ -166,17 +264,8 @@ static PyType_Spec work_spec = {
 };
 
 /* ------------------------------------------------------------------ */
-/* Group */
-
-typedef struct {
-    PyObject_HEAD
-    dptc_group *group;    /* owned; NULL once closed */
-    int rank, size;
-} GroupObject;
-
-/* ------------------------------------------------------------------ */
 /* SharedBuffer: memory every local rank maps (see [Note: shared buffers]
- * in engine.h), exported through the buffer protocol so that
+ * in shm.h), exported through the buffer protocol so that
  * torch.frombuffer can put a tensor on it; the tensor's storage keeps the
  * SharedBuffer alive. */
 
@@ -184,6 +273,7 @@ typedef struct {
     PyObject_HEAD
     PyObject *group;      /* the GroupObject that made it (strong) */
     dptc_shared shared;   /* mappings, owned */
+    dptc_shm_share_request request;  /* read by the share work */
 } SharedObject;
 
 static int shared_getbuffer(PyObject *op, Py_buffer *view, int flags)
@@ -206,8 +296,8 @@ static void shared_dealloc(SharedObject *self)
     PyObject_GC_UnTrack(self);
     GroupObject *group = (GroupObject *)self->group;
     if (group && group->group)
-        dptc_group_unshare(group->group, &self->shared);
-    dptc_shared_free(&self->shared);
+        dptc_shm_unshare(dptc_group_transport(group->group), &self->shared);
+    dptc_shm_shared_free(&self->shared);
     Py_CLEAR(self->group);
     type->tp_free(self);
     Py_DECREF(type);
@@ -241,6 +331,9 @@ static PyType_Spec shared_spec = {
     .slots = shared_slots,
 };
 
+/* ------------------------------------------------------------------ */
+/* Group methods */
+
 dptc_group *dptc_group_from_object(dptc_module_state *st, PyObject *obj, const char *argname)
 {
     if (!PyObject_TypeCheck(obj, st->group_type)) {
@@ -260,34 +353,65 @@ dptc_group *dptc_group_from_object(dptc_module_state *st, PyObject *obj, const c
 static PyObject *group_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
     static char *keywords[] = {"rank", "size", "local_rank", "local_size", "node", "nnodes",
-                               "name", "create", "slot_bytes", "timeout", NULL};
-    dptc_group_config cfg = {0};
+                               "name", "create", "slot_bytes", "timeout", "streams", "ranks",
+                               NULL};
+    dptc_group_config cfg = {.nstreams = 1};
     Py_ssize_t slot_bytes;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iiiiiispnd:Group", keywords, &cfg.rank,
+    PyObject *ranks = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iiiiiispnd|iO:Group", keywords, &cfg.rank,
                                      &cfg.size, &cfg.local_rank, &cfg.local_size, &cfg.node,
                                      &cfg.nnodes, &cfg.shm_name, &cfg.create, &slot_bytes,
-                                     &cfg.timeout_s))
+                                     &cfg.timeout_s, &cfg.nstreams, &ranks))
         return NULL;
+    int *global_ranks = NULL;
+    if (ranks != Py_None) {
+        /* The members' global ranks, for messages. */
+        if (!PyList_Check(ranks) || PyList_GET_SIZE(ranks) != cfg.size || cfg.size < 1) {
+            PyErr_Format(PyExc_ValueError, "ranks must be a list of %d global ranks", cfg.size);
+            return NULL;
+        }
+        global_ranks = PyMem_Malloc((size_t)cfg.size * sizeof *global_ranks);
+        if (!global_ranks)
+            return PyErr_NoMemory();
+        for (int r = 0; r < cfg.size; r++) {
+            global_ranks[r] = (int)PyLong_AsLong(PyList_GET_ITEM(ranks, r));
+            if (global_ranks[r] == -1 && PyErr_Occurred()) {
+                PyMem_Free(global_ranks);
+                return NULL;
+            }
+        }
+        cfg.global_ranks = global_ranks;
+    }
+    GroupObject *self = NULL;
     if (slot_bytes <= 0) {
         PyErr_Format(PyExc_ValueError, "slot_bytes must be > 0, got %zd", slot_bytes);
-        return NULL;
+        goto fail;
     }
     cfg.slot_bytes = (size_t)slot_bytes;
-    GroupObject *self = (GroupObject *)type->tp_alloc(type, 0);
+    self = (GroupObject *)type->tp_alloc(type, 0);
     if (!self)
-        return NULL;
+        goto fail;
+    self->errors = PyList_New(0);
+    if (!self->errors)
+        goto fail;
     dptc_error err;
     dptc_status status;
     Py_BEGIN_ALLOW_THREADS
-    status = dptc_group_create(&cfg, &self->group, &err);
+    status = dptc_group_create(&dptc_shm_transport, &cfg, &self->group, &err);
     Py_END_ALLOW_THREADS
+    PyMem_Free(global_ranks);
     if (status != DPTC_OK) {
+        self->group = NULL;
         Py_DECREF(self);
         return dptc_raise(dptc_state_from_type(type), status, &err);
     }
     self->rank = cfg.rank;
     self->size = cfg.size;
     return (PyObject *)self;
+fail:
+    PyMem_Free(global_ranks);
+    Py_XDECREF(self);
+    return NULL;
 }
 
 static void group_close_now(GroupObject *self)
@@ -301,10 +425,25 @@ static void group_close_now(GroupObject *self)
     Py_END_ALLOW_THREADS
 }
 
+static int group_traverse(GroupObject *self, visitproc visit, void *arg)
+{
+    Py_VISIT(Py_TYPE(self));
+    Py_VISIT(self->errors);
+    return 0;
+}
+
+static int group_clear(GroupObject *self)
+{
+    Py_CLEAR(self->errors);
+    return 0;
+}
+
 static void group_dealloc(GroupObject *self)
 {
     PyTypeObject *type = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
     group_close_now(self);
+    group_clear(self);
     type->tp_free(self);
     Py_DECREF(type);
 }
@@ -317,12 +456,97 @@ static dptc_group *open_group(GroupObject *self, dptc_module_state **st)
     return dptc_group_from_object(*st, (PyObject *)self, "group");
 }
 
-/* Parses (op, dtype, redop, input, output, count, root) into c. */
-static int parse_coll(PyObject *const *args, Py_ssize_t nargs, dptc_coll *c)
+/* Asks a tensor for its data pointer (see [Note: tensors across the C
+ * boundary] in engine.h).  None gives NULL. */
+static int tensor_data(PyObject *tensor, void **out)
 {
-    if (nargs < 7) {
+    *out = NULL;
+    if (tensor == Py_None)
+        return 0;
+    PyObject *ptr = PyObject_CallMethod(tensor, "data_ptr", NULL);
+    if (!ptr)
+        return -1;
+    *out = PyLong_AsVoidPtr(ptr);
+    Py_DECREF(ptr);
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+static int tensor_numel(PyObject *tensor, size_t *out)
+{
+    PyObject *numel = PyObject_CallMethod(tensor, "numel", NULL);
+    if (!numel)
+        return -1;
+    *out = PyLong_AsSize_t(numel);
+    Py_DECREF(numel);
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+/* A collective being issued: the dptc_coll, the stream, and the arrays of
+ * the several-output all-gather (freed by coll_done). */
+typedef struct {
+    dptc_coll coll;
+    int stream;
+    void *pieces;
+} issued;
+
+static void coll_done(issued *is) { PyMem_Free(is->pieces); }
+
+/* Fills the several-output form of an all-gather from a sequence of output
+ * tensors: output j gets size * piece_j elements. */
+static int parse_outputs(PyObject *outputs, int size, issued *is)
+{
+    PyObject *seq = PySequence_Fast(outputs, "output must be a tensor or a list of tensors");
+    if (!seq)
+        return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    int rc = -1;
+    if (n < 1 || n > INT_MAX) {
+        PyErr_Format(PyExc_ValueError, "outputs must hold 1 or more tensors, got %zd", n);
+        goto exit;
+    }
+    is->pieces = PyMem_Malloc((size_t)n * (sizeof(void *) + sizeof(size_t)));
+    if (!is->pieces) {
+        PyErr_NoMemory();
+        goto exit;
+    }
+    void **ptrs = is->pieces;
+    size_t *counts = (size_t *)(ptrs + n), total = 0;
+    for (Py_ssize_t j = 0; j < n; j++) {
+        size_t numel;
+        PyObject *t = PySequence_Fast_GET_ITEM(seq, j);
+        if (tensor_data(t, &ptrs[j]) < 0 || tensor_numel(t, &numel) < 0)
+            goto exit;
+        if (numel % (size_t)size != 0) {
+            PyErr_Format(PyExc_ValueError, "outputs[%zd] has %zu elements, not a multiple of "
+                         "the group size %d", j, numel, size);
+            goto exit;
+        }
+        counts[j] = numel / (size_t)size;
+        total += counts[j];
+    }
+    if (total != is->coll.count) {
+        PyErr_Format(PyExc_ValueError, "the input has %zu elements but the outputs' pieces add "
+                     "up to %zu", is->coll.count, total);
+        goto exit;
+    }
+    is->coll.noutputs = (int)n;
+    is->coll.outputs = ptrs;
+    is->coll.output_counts = counts;
+    rc = 0;
+exit:
+    Py_DECREF(seq);
+    return rc;
+}
+
+/* Parses (op, dtype, redop, input, output, count, root, stream) into is;
+ * input and output are tensors or None (an all-gather's output may be a
+ * list of tensors, its several-output form). */
+static int parse_coll(GroupObject *self, PyObject *const *args, Py_ssize_t nargs, issued *is)
+{
+    memset(is, 0, sizeof *is);
+    if (nargs != 8) {
         PyErr_SetString(PyExc_TypeError,
-                        "expected (op, dtype, redop, input_ptr, output_ptr, count, root)");
+                        "expected (op, dtype, redop, input, output, count, root, stream)");
         return -1;
     }
     long values[3];
@@ -331,73 +555,106 @@ static int parse_coll(PyObject *const *args, Py_ssize_t nargs, dptc_coll *c)
         if (values[i] == -1 && PyErr_Occurred())
             return -1;
     }
-    if (values[0] < 0 || values[0] >= DPTC_OP_COUNT || values[1] < 0 ||
+    if (values[0] < 0 || values[0] > DPTC_OP_BARRIER || values[1] < 0 ||
         values[1] >= DPTC_DTYPE_COUNT || values[2] < 0 || values[2] >= DPTC_REDOP_COUNT) {
         PyErr_Format(PyExc_ValueError, "invalid collective codes op=%ld dtype=%ld redop=%ld",
                      values[0], values[1], values[2]);
         return -1;
     }
+    dptc_coll *c = &is->coll;
     c->op = (dptc_op)values[0];
     c->dtype = (dptc_dtype)values[1];
     c->redop = (dptc_redop)values[2];
-    c->input = PyLong_AsVoidPtr(args[3]);
-    if (PyErr_Occurred())
-        return -1;
-    c->output = PyLong_AsVoidPtr(args[4]);
-    if (PyErr_Occurred())
-        return -1;
     c->count = PyLong_AsSize_t(args[5]);
     if (c->count == (size_t)-1 && PyErr_Occurred())
         return -1;
     c->root = (int)PyLong_AsLong(args[6]);
     if (c->root == -1 && PyErr_Occurred())
         return -1;
-    return 0;
+    is->stream = (int)PyLong_AsLong(args[7]);
+    if (is->stream == -1 && PyErr_Occurred())
+        return -1;
+    if (tensor_data(args[3], &c->input) < 0)
+        return -1;
+    if (c->op == DPTC_OP_ALL_GATHER && (PyList_Check(args[4]) || PyTuple_Check(args[4])))
+        return parse_outputs(args[4], self->size, is);
+    return tensor_data(args[4], &c->output);
 }
 
+/* run(op, dtype, redop, input, output, count, root, stream): one collective
+ * to completion, GIL released. */
 static PyObject *group_run(GroupObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     dptc_module_state *st;
     dptc_group *g = open_group(self, &st);
-    dptc_coll c;
-    if (!g || parse_coll(args, nargs, &c) < 0)
+    issued is;
+    if (!g || parse_coll(self, args, nargs, &is) < 0) {
+        if (g)
+            coll_done(&is);
         return NULL;
+    }
     dptc_error err;
     dptc_status status;
+    dptc_work *unfinished;
+    dptc_watch watch;
+    dptc_watch_signals(&watch);
     Py_BEGIN_ALLOW_THREADS
-    status = dptc_group_run(g, &c, &err);
+    status = dptc_group_run(g, is.stream, &is.coll, &unfinished, &err);
     Py_END_ALLOW_THREADS
+    dptc_unwatch_signals(&watch);
+    if (unfinished) {
+        dptc_leak(args[3]);
+        dptc_leak(args[4]);
+        dptc_work_release(unfinished);
+        /* The work copied the output arrays; ours can go. */
+    }
+    coll_done(&is);
     if (status != DPTC_OK)
-        return dptc_raise(st, status, &err);
+        return group_raise(self, st, status, &err);
+    if (PyErr_Occurred()) {
+        /* Ctrl-C arrived as the collective completed: still abort, as promised. */
+        dptc_group_abort(g, "a rank was interrupted (KeyboardInterrupt)");
+        return NULL;
+    }
     Py_RETURN_NONE;
 }
 
-/* submit(op, dtype, redop, input, output, count, root, keepalive) -> Work */
+/* submit(op, dtype, redop, input, output, count, root, stream) -> Work; the
+ * Work keeps input and output alive until the collective completes. */
 static PyObject *group_submit(GroupObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     dptc_module_state *st;
     dptc_group *g = open_group(self, &st);
-    dptc_coll c;
-    if (!g || parse_coll(args, nargs, &c) < 0)
-        return NULL;
-    dptc_error err;
-    dptc_work *w;
-    dptc_status status = dptc_group_submit(g, &c, &w, &err);
-    if (status != DPTC_OK)
-        return dptc_raise(st, status, &err);
-    PyObject *keep = PyTuple_Pack(2, (PyObject *)self, nargs > 7 ? args[7] : Py_None);
-    if (!keep) {
-        /* The work is queued: it must not outlive its buffers unobserved. */
-        Py_BEGIN_ALLOW_THREADS
-        dptc_work_wait(w, dptc_group_timeout(g) * 2 + 1, NULL);
-        Py_END_ALLOW_THREADS
-        dptc_work_release(w);
+    issued is;
+    if (!g || parse_coll(self, args, nargs, &is) < 0) {
+        if (g)
+            coll_done(&is);
         return NULL;
     }
-    PyObject *work = dptc_work_new(st, w, keep);
+    dptc_error err;
+    dptc_work *w;
+    dptc_status status = dptc_group_submit(g, is.stream, &is.coll, &w, &err);
+    coll_done(&is);
+    if (status != DPTC_OK)
+        return group_raise(self, st, status, &err);
+    PyObject *keep = PyTuple_Pack(2, args[3], args[4]);
+    double timeout = dptc_group_timeout(g) * 2 + 1;
+    if (!keep) {
+        PyObject *type, *value, *traceback;
+        PyErr_Fetch(&type, &value, &traceback);
+        Py_BEGIN_ALLOW_THREADS
+        dptc_work_wait(w, timeout, NULL);
+        Py_END_ALLOW_THREADS
+        if (!dptc_work_is_completed(w)) {
+            dptc_leak(args[3]);
+            dptc_leak(args[4]);
+        }
+        dptc_work_release(w);
+        PyErr_Restore(type, value, traceback);
+        return NULL;
+    }
+    PyObject *work = work_new(st, self, w, keep, timeout);
     Py_DECREF(keep);
-    if (work)
-        ((WorkObject *)work)->timeout_s = dptc_group_timeout(g) * 2 + 1;
     return work;
 }
 
@@ -414,8 +671,8 @@ static PyObject *group_abort(GroupObject *self, PyObject *reason)
     Py_RETURN_NONE;
 }
 
-/* share(nbytes) -> SharedBuffer.  Collective over the group: every rank
- * calls it in the same order with the same size. */
+/* share(nbytes) -> SharedBuffer.  Collective over the group, on stream 0:
+ * every rank calls it in the same order with the same size. */
 static PyObject *group_share(GroupObject *self, PyObject *arg)
 {
     dptc_module_state *st;
@@ -434,43 +691,69 @@ static PyObject *group_share(GroupObject *self, PyObject *arg)
         return NULL;
     shared->group = NULL;
     memset(&shared->shared, 0, sizeof shared->shared);
+    shared->request.nbytes = (size_t)nbytes;
+    shared->request.out = &shared->shared;
+    dptc_coll c = {.op = DPTC_OP_CALL, .dtype = DPTC_UINT8, .count = (size_t)nbytes,
+                   .call = dptc_shm_share, .call_arg = &shared->request};
     dptc_error err;
     dptc_status status;
+    dptc_work *unfinished;
+    dptc_watch watch;
+    dptc_watch_signals(&watch);
     Py_BEGIN_ALLOW_THREADS
-    status = dptc_group_share(g, (size_t)nbytes, &shared->shared, &err);
+    status = dptc_group_run(g, 0, &c, &unfinished, &err);
     Py_END_ALLOW_THREADS
+    dptc_unwatch_signals(&watch);
+    if (unfinished) {
+        /* It may still use `shared`: leak it. */
+        dptc_work_release(unfinished);
+        PyErr_Format(st->timeout_error, "%s", err.message);
+        return NULL;
+    }
     if (status != DPTC_OK) {
         Py_DECREF(shared);
-        return dptc_raise(st, status, &err);
+        return group_raise(self, st, status, &err);
     }
     shared->group = Py_NewRef((PyObject *)self);
     PyObject_GC_Track(shared);
     return (PyObject *)shared;
 }
 
-/* set_bridge(callable): the cross-node step, see bridge.c. */
-static PyObject *group_set_bridge(GroupObject *self, PyObject *callable)
+/* set_bridge(stream, callable): the cross-node step of a stream, see bridge.c. */
+static PyObject *group_set_bridge(GroupObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     dptc_module_state *st;
     dptc_group *g = open_group(self, &st);
     if (!g)
         return NULL;
-    if (!PyCallable_Check(callable)) {
-        PyErr_Format(PyExc_TypeError, "bridge must be callable, got %.100s",
-                     Py_TYPE(callable)->tp_name);
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "set_bridge(stream, callable)");
         return NULL;
     }
-    struct dptc_bridge *bridge = dptc_bridge_new(callable);
+    long stream = PyLong_AsLong(args[0]);
+    if (stream == -1 && PyErr_Occurred())
+        return NULL;
+    if (stream < 0 || stream >= dptc_group_streams(g)) {
+        PyErr_Format(PyExc_ValueError, "stream must be in [0, %d), got %ld",
+                     dptc_group_streams(g), stream);
+        return NULL;
+    }
+    if (!PyCallable_Check(args[1])) {
+        PyErr_Format(PyExc_TypeError, "bridge must be callable, got %.100s",
+                     Py_TYPE(args[1])->tp_name);
+        return NULL;
+    }
+    struct dptc_bridge *bridge = dptc_bridge_new(args[1], self->errors);
     if (!bridge)
         return NULL;
-    dptc_group_set_bridge(g, bridge);
+    dptc_shm_set_bridge(dptc_group_transport(g), (int)stream, bridge);
     Py_RETURN_NONE;
 }
 
 static PyObject *group_unlink(GroupObject *self, PyObject *Py_UNUSED(ignored))
 {
     if (self->group)
-        dptc_group_unlink(self->group);
+        dptc_shm_unlink(dptc_group_transport(self->group));
     Py_RETURN_NONE;
 }
 
@@ -480,24 +763,57 @@ static PyObject *group_close(GroupObject *self, PyObject *Py_UNUSED(ignored))
     Py_RETURN_NONE;
 }
 
-/* slot(local_rank) -> writable memoryview over that rank's staging slots. */
-static PyObject *group_slot(GroupObject *self, PyObject *arg)
+/* slot(stream, local_rank) -> writable memoryview over that rank's staging
+ * slots on that stream. */
+static PyObject *group_slot(GroupObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     dptc_module_state *st;
     dptc_group *g = open_group(self, &st);
     if (!g)
         return NULL;
-    long local = PyLong_AsLong(arg);
-    if (local == -1 && PyErr_Occurred())
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "slot(stream, local_rank)");
+        return NULL;
+    }
+    long stream = PyLong_AsLong(args[0]), local = PyLong_AsLong(args[1]);
+    if (PyErr_Occurred())
         return NULL;
     size_t bytes;
-    void *base = dptc_group_slot(g, (int)local, &bytes);
+    void *base = dptc_shm_slot(dptc_group_transport(g), (int)stream, (int)local, &bytes);
     if (!base) {
-        PyErr_Format(PyExc_ValueError, "local_rank must be a local rank of this node, got %ld",
-                     local);
+        PyErr_Format(PyExc_ValueError, "no slots for stream %ld, local rank %ld", stream, local);
         return NULL;
     }
     return PyMemoryView_FromMemory(base, (Py_ssize_t)bytes, PyBUF_WRITE);
+}
+
+/* segment_path(): what local peers open to map this rank's segment (the
+ * creator's memfd as /proc/<pid>/fd/<fd>), or None when peers open the
+ * /dev/shm name they were given. */
+static PyObject *group_segment_path(GroupObject *self, PyObject *Py_UNUSED(ignored))
+{
+    dptc_module_state *st;
+    dptc_group *g = open_group(self, &st);
+    if (!g)
+        return NULL;
+    int fd = dptc_shm_segment_fd(dptc_group_transport(g));
+    if (fd < 0)
+        Py_RETURN_NONE;
+    return PyUnicode_FromFormat("/proc/%d/fd/%d", (int)getpid(), fd);
+}
+
+/* failure() -> None, or the message of the group's failure: its own, or an
+ * abort a local peer recorded. */
+static PyObject *group_failure(GroupObject *self, PyObject *Py_UNUSED(ignored))
+{
+    if (!self->group)
+        Py_RETURN_NONE;
+    dptc_error err;
+    if (dptc_group_failure(self->group, &err) == DPTC_OK &&
+        dptc_shm_failure(dptc_group_transport(self->group), &err) == DPTC_OK)
+        Py_RETURN_NONE;
+    return PyUnicode_DecodeUTF8(err.message, (Py_ssize_t)strnlen(err.message, sizeof err.message),
+                                "replace");
 }
 
 static PyObject *group_get_rank(GroupObject *self, void *Py_UNUSED(closure))
@@ -510,6 +826,11 @@ static PyObject *group_get_size(GroupObject *self, void *Py_UNUSED(closure))
     return PyLong_FromLong(self->size);
 }
 
+static PyObject *group_get_streams(GroupObject *self, void *Py_UNUSED(closure))
+{
+    return PyLong_FromLong(self->group ? dptc_group_streams(self->group) : 0);
+}
+
 static PyObject *group_get_closed(GroupObject *self, void *Py_UNUSED(closure))
 {
     return PyBool_FromLong(self->group == NULL);
@@ -517,27 +838,33 @@ static PyObject *group_get_closed(GroupObject *self, void *Py_UNUSED(closure))
 
 static PyMethodDef group_methods[] = {
     {"run", (PyCFunction)(void (*)(void))group_run, METH_FASTCALL,
-     "run(op, dtype, redop, input_ptr, output_ptr, count, root)\n\n"
+     "run(op, dtype, redop, input, output, count, root, stream)\n\n"
      "Runs one collective to completion (GIL released)."},
     {"submit", (PyCFunction)(void (*)(void))group_submit, METH_FASTCALL,
-     "submit(op, dtype, redop, input_ptr, output_ptr, count, root, keepalive) -> Work"},
+     "submit(op, dtype, redop, input, output, count, root, stream) -> Work"},
     {"abort", (PyCFunction)group_abort, METH_O,
      "abort(reason)\n\nFails the group here and on every local peer."},
     {"share", (PyCFunction)group_share, METH_O,
      "share(nbytes) -> SharedBuffer\n\nCollective: memory every local rank maps, zero-filled."},
-    {"set_bridge", (PyCFunction)group_set_bridge, METH_O,
-     "set_bridge(callable)\n\nAttaches the cross-node step; call before the first collective."},
+    {"set_bridge", (PyCFunction)(void (*)(void))group_set_bridge, METH_FASTCALL,
+     "set_bridge(stream, callable)\n\nAttaches a stream's cross-node step; call before its "
+     "first collective."},
     {"unlink", (PyCFunction)group_unlink, METH_NOARGS,
-     "unlink()\n\nRemoves the shared segment's name (once every local rank mapped it)."},
+     "unlink()\n\nForgets the shared segment's name (once every local rank mapped it)."},
+    {"segment_path", (PyCFunction)group_segment_path, METH_NOARGS,
+     "segment_path() -> str or None\n\nWhat local peers open to map the segment."},
     {"close", (PyCFunction)group_close, METH_NOARGS, "close()\n\nStops the engine and unmaps."},
-    {"slot", (PyCFunction)group_slot, METH_O,
-     "slot(local_rank) -> memoryview over that rank's staging buffers"},
+    {"failure", (PyCFunction)group_failure, METH_NOARGS,
+     "failure() -> None or str\n\nThe message of the group's failure, if it failed."},
+    {"slot", (PyCFunction)(void (*)(void))group_slot, METH_FASTCALL,
+     "slot(stream, local_rank) -> memoryview over that rank's staging buffers"},
     {NULL, NULL, 0, NULL},
 };
 
 static PyGetSetDef group_getset[] = {
     {"rank", (getter)group_get_rank, NULL, "rank in the group", NULL},
     {"size", (getter)group_get_size, NULL, "ranks in the group", NULL},
+    {"streams", (getter)group_get_streams, NULL, "independent ordered streams", NULL},
     {"closed", (getter)group_get_closed, NULL, "whether close() was called", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
@@ -546,6 +873,8 @@ static PyType_Slot group_slots[] = {
     {Py_tp_doc, "A dptc process group: the C engine of one set of ranks."},
     {Py_tp_new, group_new},
     {Py_tp_dealloc, group_dealloc},
+    {Py_tp_traverse, group_traverse},
+    {Py_tp_clear, group_clear},
     {Py_tp_methods, group_methods},
     {Py_tp_getset, group_getset},
     {0, NULL},
@@ -554,7 +883,7 @@ static PyType_Slot group_slots[] = {
 static PyType_Spec group_spec = {
     .name = "dptc._C.Group",
     .basicsize = sizeof(GroupObject),
-    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE,
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_IMMUTABLETYPE,
     .slots = group_slots,
 };
 

@@ -38,15 +38,25 @@ PyObject *dptc_raise(dptc_module_state *st, dptc_status status,
 dptc_group *dptc_group_from_object(dptc_module_state *st, PyObject *obj,
                                    const char *argname);
 
-/* Creates a dptc._C.Work around w (steals the reference to w) keeping
- * `keepalive` (any object, may be NULL) alive until the Work is collected.
- * Returns a new reference. */
-PyObject *dptc_work_new(dptc_module_state *st, dptc_work *w,
-                        PyObject *keepalive);
 
-/* The cross-node step around a Python callable (bridge.c).  Returns NULL
- * with an exception set on failure. */
-struct dptc_bridge *dptc_bridge_new(PyObject *callable);
+/* The cross-node step around a Python callable (bridge.c); exceptions the
+ * callable raises are appended to the list `errors`.  Returns NULL with an
+ * exception set on failure. */
+struct dptc_bridge *dptc_bridge_new(PyObject *callable, PyObject *errors);
+
+/* Installs the Ctrl-C check of [Note: interrupts] (dptc.h) on this thread
+ * for the length of a wait that can raise; unwatch restores the previous
+ * one.  GIL held for both. */
+typedef struct {
+    dptc_interrupt_check check;
+    void *arg;
+} dptc_watch;
+void dptc_watch_signals(dptc_watch *saved);
+void dptc_unwatch_signals(const dptc_watch *saved);
+
+/* Keeps obj alive for good: memory that unfinished work may still touch
+ * (see [Note: memory of unfinished work] in module.c).  GIL held. */
+void dptc_leak(PyObject *obj);
 
 /* Implemented by reducer.c: adds Reducer and GradHook to the module. */
 int dptc_reducer_module_exec(PyObject *module, dptc_module_state *st);

@@ -655,16 +655,28 @@ static bool has_null_buffer(const void *dst, const void *const *srcs,
 
 dptc_status dptc_reduce(void *dst, const void *const *srcs, int nsrc,
                         size_t count, dptc_dtype dtype, dptc_redop op,
-                        double scale)
+                        double scale, dptc_error *err)
 {
-    if (!is_valid_dtype(dtype) || !is_valid_redop(op) || nsrc < 1)
-        return DPTC_ERR_INVALID;
+    if (!is_valid_dtype(dtype))
+        return dptc_fail(err, DPTC_ERR_INVALID, "reduce: dtype code %d is not a dtype",
+                         (int)dtype);
+    if (!is_valid_redop(op))
+        return dptc_fail(err, DPTC_ERR_INVALID,
+                         "reduce of %s: op %s (code %d) is not one the kernels run "
+                         "(AVG arrives as SUM with scale 1/n)",
+                         dptc_dtype_name(dtype), dptc_redop_name(op), (int)op);
+    if (nsrc < 1)
+        return dptc_fail(err, DPTC_ERR_INVALID, "reduce %s of %s: needs a source, got nsrc %d",
+                         dptc_redop_name(op), dptc_dtype_name(dtype), nsrc);
     if (scale != 1.0 && !is_floating(dtype))
-        return DPTC_ERR_INVALID;
+        return dptc_fail(err, DPTC_ERR_INVALID,
+                         "reduce %s of %s: scale %g needs a floating dtype (1.0 for integers)",
+                         dptc_redop_name(op), dptc_dtype_name(dtype), scale);
     if (count == 0)
         return DPTC_OK;
     if (has_null_buffer(dst, srcs, nsrc))
-        return DPTC_ERR_INVALID;
+        return dptc_fail(err, DPTC_ERR_INVALID, "reduce %s of %zu %s elements: a buffer is NULL",
+                         dptc_redop_name(op), count, dptc_dtype_name(dtype));
     if (dtype == DPTC_BFLOAT16 || dtype == DPTC_FLOAT16) {
         reduce_half(half_kernels_for(dtype, op), dst, srcs, nsrc, count,
                     scale);
@@ -676,14 +688,17 @@ dptc_status dptc_reduce(void *dst, const void *const *srcs, int nsrc,
 }
 
 dptc_status dptc_scale(void *buf, size_t count, dptc_dtype dtype,
-                       double scale)
+                       double scale, dptc_error *err)
 {
     if (!is_valid_dtype(dtype) || !is_floating(dtype))
-        return DPTC_ERR_INVALID;
+        return dptc_fail(err, DPTC_ERR_INVALID,
+                         "scale by %g: %s (code %d) is not a floating dtype", scale,
+                         dptc_dtype_name(dtype), (int)dtype);
     if (count == 0 || scale == 1.0)
         return DPTC_OK;
     if (buf == NULL)
-        return DPTC_ERR_INVALID;
+        return dptc_fail(err, DPTC_ERR_INVALID, "scale of %zu %s elements by %g: buffer is NULL",
+                         count, dptc_dtype_name(dtype), scale);
     switch (dtype) {
     case DPTC_FLOAT32:
         f32_scale(buf, count, scale);
@@ -711,7 +726,7 @@ static float wide_at(const void *src, dptc_dtype t, size_t i)
 }
 
 dptc_status dptc_convert(void *dst, dptc_dtype dst_dtype, const void *src, dptc_dtype src_dtype,
-                         size_t count)
+                         size_t count, dptc_error *err)
 {
     if (is_wide(src_dtype) && is_half(dst_dtype)) {
         uint16_t *out = dst;
@@ -734,5 +749,7 @@ dptc_status dptc_convert(void *dst, dptc_dtype dst_dtype, const void *src, dptc_
         }
         return DPTC_OK;
     }
-    return DPTC_ERR_INVALID;
+    return dptc_fail(err, DPTC_ERR_INVALID,
+                     "convert %s to %s: only float32 or float64 to or from bfloat16 or float16",
+                     dptc_dtype_name(src_dtype), dptc_dtype_name(dst_dtype));
 }

@@ -16,17 +16,18 @@
  * without the GIL; allocates nothing. */
 dptc_status dptc_reduce(void *dst, const void *const *srcs, int nsrc,
                         size_t count, dptc_dtype dtype, dptc_redop op,
-                        double scale);
+                        double scale, dptc_error *err);
 
 /* buf[i] *= scale, for floating dtypes (used for AVG after a cross-node
  * step).  DPTC_ERR_INVALID for integer dtypes. */
-dptc_status dptc_scale(void *buf, size_t count, dptc_dtype dtype, double scale);
+dptc_status dptc_scale(void *buf, size_t count, dptc_dtype dtype, double scale,
+                       dptc_error *err);
 
 /* dst[i] = src[i] converted, rounding to nearest even, between float32 or
  * float64 and bfloat16 or float16 (either direction; float64 goes through
  * float32, as torch's cast does).  DPTC_ERR_INVALID for other pairs.  Runs
  * without the GIL. */
 dptc_status dptc_convert(void *dst, dptc_dtype dst_dtype, const void *src, dptc_dtype src_dtype,
-                         size_t count);
+                         size_t count, dptc_error *err);
 
 #endif /* DPTC_REDUCE_H */

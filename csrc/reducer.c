@@ -263,13 +263,15 @@ static dptc_status bucket_launch(ReducerObject *r, bucket *b, dptc_error *err)
     dptc_coll coll = {.op = DPTC_OP_ALL_REDUCE, .dtype = b->dtype, .redop = DPTC_AVG,
                       .input = b->data, .output = b->data, .count = b->count, .root = 0};
     if (b->comm_tensor) {
+        dptc_status status;
         Py_BEGIN_ALLOW_THREADS
-        dptc_convert(b->comm_data, b->comm_dtype, b->data, b->dtype, b->count);
+        status = dptc_convert(b->comm_data, b->comm_dtype, b->data, b->dtype, b->count, err);
         Py_END_ALLOW_THREADS
+        CHECK(status);
         coll.dtype = b->comm_dtype;
         coll.input = coll.output = b->comm_data;
     }
-    return dptc_group_submit(g, &coll, &b->work, err);
+    return dptc_group_submit(g, 0, &coll, &b->work, err);
 }
 
 /* Submits every full bucket from next_launch on, stopping at the first one
@@ -599,7 +601,7 @@ static dptc_status launch_unused(ReducerObject *r, dptc_error *err)
     dptc_coll coll = {.op = DPTC_OP_ALL_REDUCE, .dtype = DPTC_UINT8, .redop = DPTC_MAX,
                       .input = r->used_map, .output = r->used_map,
                       .count = (size_t)r->nslots, .root = 0};
-    return dptc_group_submit(g, &coll, &r->used_work, err);
+    return dptc_group_submit(g, 0, &coll, &r->used_work, err);
 }
 
 /* Whether slot i's reduced value goes to its .grad. */
@@ -618,7 +620,7 @@ static dptc_status bucket_complete(ReducerObject *r, bucket *b, double timeout, 
         b->work = NULL;
         CHECK(status);
         if (b->comm_tensor)
-            dptc_convert(b->data, b->dtype, b->comm_data, b->comm_dtype, b->count);
+            CHECK(dptc_convert(b->data, b->dtype, b->comm_data, b->comm_dtype, b->count, err));
     }
     for (Py_ssize_t k = 0; k < b->nmembers; k++) {
         Py_ssize_t i = b->members[k];

@@ -1,17 +1,16 @@
 /* shm.c — the CPU transport between the ranks of one node.
  *
  * [Note: shared segment layout]
- * One POSIX shared-memory segment per group and node, created 0600 by local
- * rank 0 under a name that carries a random token agreed through the store,
- * and unlinked as soon as every local rank has mapped it (dptc/group.py), so
- * nothing is left in /dev/shm whatever happens to the processes afterwards.
+ * One shared segment per group and node (see [Note: segments] for how it is
+ * made and found), created by local rank 0:
  *
- *     header | peer[0] ... peer[local_size-1] | slots of rank 0 | ... 
+ *     header | records of stream 0 (one per local rank) | ... of stream S-1
+ *            | slots of stream 0 (one region per local rank) | ... 
  *
- * Each rank owns a peer record (its step counter, pid and the fingerprints of
- * its last collectives) and a slot region of two staging buffers of
- * slot_bytes each.  A rank writes only its own record and its own slots;
- * it reads everyone's.
+ * Each rank owns, per stream, a peer record (its step counter, pid and the
+ * fingerprints of its last collectives) and a slot region of two staging
+ * buffers of slot_bytes each.  A rank writes only its own records and its
+ * own slots; it reads everyone's.  The header holds the abort record.
  *
  * [Note: rounds and steps]
  * Every collective is cut into rounds.  A round is: write my staging buffer
@@ -45,12 +44,13 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
 #include "reduce.h"
-#include "transport.h"
+#include "shm.h"
 
 #define SHM_MAGIC 0x64707463u /* "dptc" */
 #define SHM_VERSION 1u
@@ -68,50 +68,74 @@ typedef struct {
     uint64_t offset;   /* the tensor's byte offset in that buffer */
 } fingerprint;
 
+/* One rank's record in one stream's channel. */
 typedef struct {
     _Alignas(CACHE_LINE) _Atomic uint32_t counter;  /* steps posted (futex word) */
     _Atomic uint32_t sleepers;                      /* waiters sleeping on counter */
     _Atomic int32_t pid;                            /* for liveness checks */
+    _Atomic int32_t share_fd;                       /* memfd of the shared buffer being made */
     fingerprint fp[2];                              /* indexed by seq % 2 */
 } peer_record;
 
+/* [Note: abort record]
+ * The first rank to abort claims `claimed`, writes the reason and its local
+ * rank, and only then publishes the status in `aborted` (release): a peer
+ * that sees `aborted` non-zero (acquire) reads a complete reason. */
 typedef struct {
     uint32_t magic, version;
-    uint32_t local_size, node;
+    uint32_t local_size, node, nstreams;
     uint64_t slot_bytes;
-    _Atomic uint32_t aborted;       /* a dptc_status, 0 while healthy */
+    _Atomic uint32_t claimed;       /* 1 once some rank is writing the abort record */
+    _Atomic uint32_t aborted;       /* a dptc_status, 0 while healthy; published last */
     _Atomic uint32_t aborter;       /* local rank that aborted first */
     char reason[REASON_MAX];
 } shm_header;
 
+typedef struct shm_transport shm_transport;
+
+/* [Note: channels]
+ * Each stream of the group (see [Note: streams] in engine.h) has its own
+ * channel: its own peer records (step counters, fingerprints) and staging
+ * slots in the segment, its own round count and its own bridge.  Only the
+ * stream's executing thread touches a channel, so streams never wait for
+ * each other; they share the abort record and the table of shared buffers. */
 typedef struct {
-    dptc_transport base;
+    shm_transport *s;
+    int index;
+    peer_record *peers;           /* local_size records */
+    unsigned char *slots;         /* slots of local rank 0; rank r at r * region */
     dptc_bridge *bridge;          /* cross-node step, owned; NULL on one node */
-    char name[256];
-    /* Mapping */
-    unsigned char *map;
-    size_t map_bytes;
-    shm_header *header;
-    peer_record *peers;
-    unsigned char *slots;         /* slots of rank 0; rank r at r * region */
-    size_t slot_bytes;            /* one staging buffer */
-    size_t region;                /* 2 * slot_bytes: one rank's slot region */
-    /* Identity */
-    int local_rank, local_size, node, nnodes;
-    /* Progress: only the engine's executing thread touches these */
+    /* Progress */
     uint32_t steps;               /* my counter value */
     uint64_t rounds;              /* rounds completed, across collectives */
     int unchecked;                /* the running collective's fingerprint is not compared yet */
     const dptc_shared *in_shared; /* the running collective's shared buffer, or NULL */
     size_t shared_offset;         /* its tensor's byte offset there */
-    /* Shared buffers (see [Note: shared buffers] in engine.h); the table is
-     * also touched by unshare from Python threads, hence the lock. */
+    uint64_t shared_made;         /* shared buffers made on this channel (their ids) */
+} channel;
+
+struct shm_transport {
+    dptc_transport base;
+    char name[256];               /* /dev/shm name, or "" for a memfd segment */
+    int fd;                       /* the creator's memfd until unlinked, else -1 */
+    /* Mapping */
+    unsigned char *map;
+    size_t map_bytes;
+    shm_header *header;
+    size_t slot_bytes;            /* one staging buffer */
+    size_t region;                /* 2 * slot_bytes: one rank's slot region */
+    /* Identity */
+    int local_rank, local_size, node, nnodes, nstreams;
+    int *global_ranks;            /* of every group rank, for messages */
+    channel channels[DPTC_MAX_STREAMS];
+    /* Shared buffers (see [Note: shared buffers] in shm.h); the table is
+     * touched by every stream and by unshare from Python threads, hence the
+     * lock. */
     pthread_mutex_t shared_lock;
     dptc_shared **shared;
     int nshared, shared_cap;
-    uint64_t next_shared_id;
     double spin_s;                /* how long to spin before sleeping */
-} shm_transport;
+};
 
 /* ------------------------------------------------------------------ */
 /* Layout */
@@ -127,14 +151,21 @@ static size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
 static size_t peers_offset(void) { return round_up(sizeof(shm_header), CACHE_LINE); }
 
-static size_t slots_offset(int local_size)
+static size_t slots_offset(int local_size, int nstreams)
 {
-    return round_up(peers_offset() + (size_t)local_size * sizeof(peer_record), ALIGN_BYTES);
+    return round_up(peers_offset() + (size_t)(local_size * nstreams) * sizeof(peer_record),
+                    ALIGN_BYTES);
 }
 
-static unsigned char *slot_buffer(shm_transport *s, int local, uint64_t round)
+static unsigned char *slot_buffer(channel *ch, int local, uint64_t round)
 {
-    return s->slots + (size_t)local * s->region + (size_t)(round % 2) * s->slot_bytes;
+    return ch->slots + (size_t)local * ch->s->region + (size_t)(round % 2) * ch->s->slot_bytes;
+}
+
+/* The global rank of local rank `local` of this node, for messages. */
+static int global_rank(const shm_transport *s, int local)
+{
+    return s->global_ranks[s->node * s->local_size + local];
 }
 
 /* ------------------------------------------------------------------ */
@@ -173,10 +204,12 @@ static int step_reached(uint32_t value, uint32_t target)
 
 static void shm_abort(dptc_transport *t, dptc_status status, const char *reason);
 
-/* The status and message of an abort recorded in the header. */
+/* The status and message of an abort recorded in the header (see [Note:
+ * abort record]); call once `aborted` was seen non-zero. */
 static dptc_status aborted_error(shm_transport *s, dptc_error *err)
 {
-    dptc_status status = (dptc_status)atomic_load(&s->header->aborted);
+    dptc_status status = (dptc_status)atomic_load_explicit(&s->header->aborted,
+                                                           memory_order_acquire);
     int who = (int)atomic_load(&s->header->aborter);
     if (status == DPTC_ERR_MISMATCH || status == DPTC_ERR_TIMEOUT)
         return dptc_fail(err, status, "%s", s->header->reason);
@@ -184,10 +217,11 @@ static dptc_status aborted_error(shm_transport *s, dptc_error *err)
                      who, s->node, s->header->reason);
 }
 
-static dptc_status wait_peer(shm_transport *s, int peer, uint32_t target, double deadline,
+static dptc_status wait_peer(channel *ch, int peer, uint32_t target, double deadline,
                              dptc_error *err)
 {
-    _Atomic uint32_t *word = &s->peers[peer].counter;
+    shm_transport *s = ch->s;
+    _Atomic uint32_t *word = &ch->peers[peer].counter;
     if (step_reached(atomic_load(word), target))
         return DPTC_OK;
     double spin_until = dptc_now() + s->spin_s;
@@ -196,13 +230,13 @@ static dptc_status wait_peer(shm_transport *s, int peer, uint32_t target, double
         for (int i = 0; i < 64; i++) {
             if (step_reached(atomic_load_explicit(word, memory_order_acquire), target))
                 return DPTC_OK;
-            __builtin_ia32_pause();
+            dptc_cpu_relax();
         }
         if (++spins % 16 == 0 && atomic_load(&s->header->aborted))
             break;
     }
     dptc_status status = DPTC_OK;
-    atomic_fetch_add(&s->peers[peer].sleepers, 1);
+    atomic_fetch_add(&ch->peers[peer].sleepers, 1);
     for (;;) {
         uint32_t seen = atomic_load(word);
         if (step_reached(seen, target))
@@ -214,44 +248,50 @@ static dptc_status wait_peer(shm_transport *s, int peer, uint32_t target, double
         double now = dptc_now();
         if (now >= deadline) {
             status = dptc_fail(err, DPTC_ERR_TIMEOUT,
-                               "timed out waiting for global rank %d (local rank %d of node %d) "
-                               "at step %u; it is alive but did not arrive: it may be stuck, "
-                               "or issuing fewer collectives than this rank",
-                               s->node * s->local_size + peer, peer, s->node, target);
+                               "timed out waiting for global rank %d (local rank %d of node %d, "
+                               "pid %d) at step %u of stream %d; it is alive but did not "
+                               "arrive: it may be stuck, or issuing fewer collectives than this "
+                               "rank", global_rank(s, peer), peer, s->node,
+                               (int)atomic_load(&ch->peers[peer].pid), target, ch->index);
             break;
         }
-        if (!pid_alive(atomic_load(&s->peers[peer].pid))) {
+        if (dptc_interrupted()) {
+            status = dptc_fail(err, DPTC_ERR_INTERRUPTED,
+                               "global rank %d was interrupted while waiting in a collective",
+                               global_rank(s, s->local_rank));
+            break;
+        }
+        if (!pid_alive(atomic_load(&ch->peers[peer].pid))) {
             status = dptc_fail(err, DPTC_ERR_PEER_LOST,
                                "global rank %d (local rank %d of node %d, pid %d) exited while "
                                "this rank waited for it",
-                               s->node * s->local_size + peer, peer, s->node,
-                               (int)atomic_load(&s->peers[peer].pid));
+                               global_rank(s, peer), peer, s->node,
+                               (int)atomic_load(&ch->peers[peer].pid));
             break;
         }
         double slice = deadline - now < SLEEP_SLICE_S ? deadline - now : SLEEP_SLICE_S;
         struct timespec ts = {(time_t)slice, (long)((slice - (double)(time_t)slice) * 1e9)};
         futex(word, FUTEX_WAIT, seen, &ts);
     }
-    atomic_fetch_sub(&s->peers[peer].sleepers, 1);
-    if (status != DPTC_OK && status != DPTC_ERR_PEER_LOST && !atomic_load(&s->header->aborted))
-        shm_abort(&s->base, status, err->message);
-    else if (status == DPTC_ERR_PEER_LOST && !atomic_load(&s->header->aborted))
+    atomic_fetch_sub(&ch->peers[peer].sleepers, 1);
+    if (status != DPTC_OK && !atomic_load(&s->header->aborted))
         shm_abort(&s->base, status, err->message);
     return status;
 }
 
 /* Posts my next step and waits until every peer has posted it too. */
-static dptc_status step(shm_transport *s, double deadline, dptc_error *err)
+static dptc_status step(channel *ch, double deadline, dptc_error *err)
 {
-    uint32_t target = ++s->steps;
-    peer_record *me = &s->peers[s->local_rank];
+    shm_transport *s = ch->s;
+    uint32_t target = ++ch->steps;
+    peer_record *me = &ch->peers[s->local_rank];
     atomic_store(&me->counter, target);
     if (atomic_load(&me->sleepers) > 0)
         futex(&me->counter, FUTEX_WAKE, INT_MAX, NULL);
     for (int p = 0; p < s->local_size; p++) {
         if (p == s->local_rank)
             continue;
-        CHECK(wait_peer(s, p, target, deadline, err));
+        CHECK(wait_peer(ch, p, target, deadline, err));
     }
     return DPTC_OK;
 }
@@ -281,15 +321,15 @@ static void describe(const fingerprint *f, char *out, size_t n)
                  (unsigned long long)f->seq);
 }
 
-static void fingerprint_of(const shm_transport *s, const dptc_coll *c, uint64_t seq,
+static void fingerprint_of(channel *ch, const dptc_coll *c, uint64_t seq,
                            fingerprint *f)
 {
     memset(f, 0, sizeof *f);
     f->op = (uint32_t)c->op;
     f->seq = seq;
-    if (s->in_shared) {
-        f->shared = s->in_shared->id + 1;
-        f->offset = s->shared_offset;
+    if (ch->in_shared) {
+        f->shared = ch->in_shared->id + 1;
+        f->offset = ch->shared_offset;
     }
     if (c->op == DPTC_OP_BARRIER)
         return;
@@ -304,11 +344,12 @@ static void fingerprint_of(const shm_transport *s, const dptc_coll *c, uint64_t 
 /* Called after the first step of a collective: every peer's fingerprint of
  * this seq is written.  Every rank compares every peer, so every rank
  * raises the same error. */
-static dptc_status check_fingerprints(shm_transport *s, uint64_t seq, dptc_error *err)
+static dptc_status check_fingerprints(channel *ch, uint64_t seq, dptc_error *err)
 {
-    const fingerprint *mine = &s->peers[s->local_rank].fp[seq % 2];
+    shm_transport *s = ch->s;
+    const fingerprint *mine = &ch->peers[s->local_rank].fp[seq % 2];
     for (int p = 0; p < s->local_size; p++) {
-        const fingerprint *theirs = &s->peers[p].fp[seq % 2];
+        const fingerprint *theirs = &ch->peers[p].fp[seq % 2];
         if (memcmp(mine, theirs, sizeof *mine) == 0)
             continue;
         char a[256], b[256];
@@ -318,48 +359,50 @@ static dptc_status check_fingerprints(shm_transport *s, uint64_t seq, dptc_error
             err, DPTC_ERR_MISMATCH,
             "collective mismatch: global rank %d issued %s but global rank %d issued %s; "
             "every rank must issue the same collectives in the same order",
-            s->node * s->local_size + s->local_rank, a, s->node * s->local_size + p, b);
+            global_rank(s, s->local_rank), a, global_rank(s, p), b);
         /* Record it for peers that are still waiting, without overwriting the
          * message of whoever noticed first. */
-        shm_abort(&s->base, status, err->message);
+        shm_abort(&ch->s->base, status, err->message);
         return status;
     }
     return DPTC_OK;
 }
 
 /* Publishes my fingerprint and takes the collective's first step. */
-static dptc_status first_step(shm_transport *s, const dptc_coll *c, uint64_t seq,
+static dptc_status first_step(channel *ch, const dptc_coll *c, uint64_t seq,
                               double deadline, dptc_error *err)
 {
-    fingerprint_of(s, c, seq, &s->peers[s->local_rank].fp[seq % 2]);
-    CHECK(step(s, deadline, err));
-    return check_fingerprints(s, seq, err);
+    shm_transport *s = ch->s;
+    fingerprint_of(ch, c, seq, &ch->peers[s->local_rank].fp[seq % 2]);
+    CHECK(step(ch, deadline, err));
+    return check_fingerprints(ch, seq, err);
 }
 
 /* Across nodes, the rank with my local index on every node compares its
  * fingerprint with mine through the bridge, before any data crosses. */
-static dptc_status check_across_nodes(shm_transport *s, const dptc_coll *c, uint64_t seq,
+static dptc_status check_across_nodes(channel *ch, const dptc_coll *c, uint64_t seq,
                                       dptc_error *err)
 {
-    const fingerprint *f = &s->peers[s->local_rank].fp[seq % 2];
+    shm_transport *s = ch->s;
+    const fingerprint *f = &ch->peers[s->local_rank].fp[seq % 2];
     char text[256];
     describe(f, text, sizeof text);
-    dptc_status status = dptc_bridge_check(s->bridge, c->op, c->dtype, c->redop, c->count, seq,
+    dptc_status status = dptc_bridge_check(ch->bridge, c->op, c->dtype, c->redop, c->count, seq,
                                            c->root, text, err);
     if (status != DPTC_OK)
-        shm_abort(&s->base, status, err->message);
+        shm_abort(&ch->s->base, status, err->message);
     return status;
 }
 
 /* The step that opens a round.  The collective's first round also compares
  * fingerprints, unless the cross-node check already did (shm_run). */
-static dptc_status begin_round(shm_transport *s, const dptc_coll *c, uint64_t seq,
+static dptc_status begin_round(channel *ch, const dptc_coll *c, uint64_t seq,
                                double deadline, dptc_error *err)
 {
-    if (!s->unchecked)
-        return step(s, deadline, err);
-    s->unchecked = 0;
-    return first_step(s, c, seq, deadline, err);
+    if (!ch->unchecked)
+        return step(ch, deadline, err);
+    ch->unchecked = 0;
+    return first_step(ch, c, seq, deadline, err);
 }
 
 /* ------------------------------------------------------------------ */
@@ -378,28 +421,40 @@ static size_t elements_per(size_t bytes, size_t elsize)
     return n >= align ? n / align * align : n;
 }
 
-static dptc_status bridge(shm_transport *s, dptc_bridge_op op, const dptc_coll *c,
+/* A round must move at least one element, or a collective never ends. */
+static dptc_status check_window(const shm_transport *s, size_t elements, dptc_error *err)
+{
+    if (elements > 0)
+        return DPTC_OK;
+    return dptc_fail(err, DPTC_ERR_INVALID,
+                     "a staging slot of %zu bytes cannot hold one element per rank of this "
+                     "group; raise DPTC_SLOT_BYTES", s->slot_bytes);
+}
+
+static dptc_status bridge(channel *ch, dptc_bridge_op op, const dptc_coll *c,
                           const unsigned char *at, const unsigned char *at2, size_t count,
                           int root, dptc_error *err)
 {
-    unsigned char *base = s->slots + (size_t)s->local_rank * s->region;
-    return dptc_bridge_call(s->bridge, op, c->dtype, base_redop(c), (size_t)(at - base),
+    shm_transport *s = ch->s;
+    unsigned char *base = ch->slots + (size_t)s->local_rank * s->region;
+    return dptc_bridge_call(ch->bridge, op, c->dtype, base_redop(c), (size_t)(at - base),
                             at2 ? (size_t)(at2 - base) : 0, count, root, err);
 }
 
 /* Small all-reduce on one node: one step; every rank reduces everything. */
-static dptc_status all_reduce_small(shm_transport *s, const dptc_coll *c, uint64_t seq,
+static dptc_status all_reduce_small(channel *ch, const dptc_coll *c, uint64_t seq,
                                     double deadline, dptc_error *err)
 {
+    shm_transport *s = ch->s;
     size_t bytes = c->count * dptc_dtype_size(c->dtype);
-    copy(slot_buffer(s, s->local_rank, s->rounds), c->input, bytes);
-    CHECK(begin_round(s, c, seq, deadline, err));
+    copy(slot_buffer(ch, s->local_rank, ch->rounds), c->input, bytes);
+    CHECK(begin_round(ch, c, seq, deadline, err));
     const void *srcs[DPTC_MAX_LOCAL];
     for (int p = 0; p < s->local_size; p++)
-        srcs[p] = slot_buffer(s, p, s->rounds);
-    s->rounds++;
+        srcs[p] = slot_buffer(ch, p, ch->rounds);
+    ch->rounds++;
     double scale = is_avg(c) ? 1.0 / (s->local_size * s->nnodes) : 1.0;
-    return dptc_reduce(c->output, srcs, s->local_size, c->count, c->dtype, base_redop(c), scale);
+    return dptc_reduce(c->output, srcs, s->local_size, c->count, c->dtype, base_redop(c), scale, err);
 }
 
 /* The elements [lo, hi) of count that rank p of n reduces.  Parts are whole
@@ -422,44 +477,46 @@ static span part_of(size_t count, int n, int p, size_t max_part)
 /* Large all-reduce: per round, each rank stages a chunk, reduces its part
  * of every rank's chunk (then hands that part to the bridge across nodes),
  * and copies every reduced part out. */
-static dptc_status all_reduce_large(shm_transport *s, const dptc_coll *c, uint64_t seq,
+static dptc_status all_reduce_large(channel *ch, const dptc_coll *c, uint64_t seq,
                                     double deadline, dptc_error *err)
 {
+    shm_transport *s = ch->s;
     size_t elsize = dptc_dtype_size(c->dtype);
     int n = s->local_size;
     size_t part_max = elements_per(s->slot_bytes / (size_t)n, elsize);
     size_t chunk_max = part_max * (size_t)n;
+    CHECK(check_window(s, part_max, err));
     int first = 1;
     const unsigned char *in = c->input;
     unsigned char *out = c->output;
     double scale = is_avg(c) ? 1.0 / (n * s->nnodes) : 1.0;
     for (size_t done = 0; done < c->count || first;) {
         size_t chunk = c->count - done < chunk_max ? c->count - done : chunk_max;
-        copy(slot_buffer(s, s->local_rank, s->rounds), in + done * elsize, chunk * elsize);
-        CHECK(begin_round(s, c, seq, deadline, err));
+        copy(slot_buffer(ch, s->local_rank, ch->rounds), in + done * elsize, chunk * elsize);
+        CHECK(begin_round(ch, c, seq, deadline, err));
         first = 0;
         span my = part_of(chunk, n, s->local_rank, part_max);
         size_t lo = my.lo, hi = my.hi;
-        unsigned char *mine = slot_buffer(s, s->local_rank, s->rounds) + lo * elsize;
+        unsigned char *mine = slot_buffer(ch, s->local_rank, ch->rounds) + lo * elsize;
         if (hi > lo) {
             const void *srcs[DPTC_MAX_LOCAL];
             for (int p = 0; p < n; p++)
-                srcs[p] = slot_buffer(s, p, s->rounds) + lo * elsize;
-            double local_scale = s->bridge ? 1.0 : scale;
-            CHECK(dptc_reduce(mine, srcs, n, hi - lo, c->dtype, base_redop(c), local_scale));
-            if (s->bridge) {
-                CHECK(bridge(s, DPTC_BRIDGE_ALL_REDUCE, c, mine, NULL, hi - lo, 0, err));
+                srcs[p] = slot_buffer(ch, p, ch->rounds) + lo * elsize;
+            double local_scale = ch->bridge ? 1.0 : scale;
+            CHECK(dptc_reduce(mine, srcs, n, hi - lo, c->dtype, base_redop(c), local_scale, err));
+            if (ch->bridge) {
+                CHECK(bridge(ch, DPTC_BRIDGE_ALL_REDUCE, c, mine, NULL, hi - lo, 0, err));
                 if (scale != 1.0)
-                    CHECK(dptc_scale(mine, hi - lo, c->dtype, scale));
+                    CHECK(dptc_scale(mine, hi - lo, c->dtype, scale, err));
             }
         }
-        CHECK(step(s, deadline, err));
+        CHECK(step(ch, deadline, err));
         for (int p = 0; p < n; p++) {
             span their = part_of(chunk, n, p, part_max);
-            copy(out + (done + their.lo) * elsize, slot_buffer(s, p, s->rounds) + their.lo * elsize,
+            copy(out + (done + their.lo) * elsize, slot_buffer(ch, p, ch->rounds) + their.lo * elsize,
                  (their.hi - their.lo) * elsize);
         }
-        s->rounds++;
+        ch->rounds++;
         done += chunk;
     }
     return DPTC_OK;
@@ -472,62 +529,66 @@ static dptc_status all_reduce_large(shm_transport *s, const dptc_coll *c, uint64
  * whole tensor is final.  Each rank reads and writes the tensor's size once.
  * Rank p touches only part p of any buffer between the two steps, so the
  * writes never meet. */
-static dptc_status all_reduce_shared(shm_transport *s, const dptc_coll *c, uint64_t seq,
+static dptc_status all_reduce_shared(channel *ch, const dptc_coll *c, uint64_t seq,
                                      double deadline, dptc_error *err)
 {
+    shm_transport *s = ch->s;
     size_t elsize = dptc_dtype_size(c->dtype);
     int n = s->local_size;
     span my = part_of(c->count, n, s->local_rank, SIZE_MAX);
     size_t lo = my.lo, hi = my.hi;
-    CHECK(begin_round(s, c, seq, deadline, err));
+    CHECK(begin_round(ch, c, seq, deadline, err));
     if (hi > lo) {
         const void *srcs[DPTC_MAX_LOCAL];
-        size_t at = s->shared_offset + lo * elsize;
+        size_t at = ch->shared_offset + lo * elsize;
         for (int p = 0; p < n; p++)
-            srcs[p] = s->in_shared->base[p] + at;
+            srcs[p] = ch->in_shared->base[p] + at;
         double scale = is_avg(c) ? 1.0 / n : 1.0;
-        CHECK(dptc_reduce(s->in_shared->base[s->local_rank] + at, srcs, n, hi - lo, c->dtype,
-                          base_redop(c), scale));
+        CHECK(dptc_reduce(ch->in_shared->base[s->local_rank] + at, srcs, n, hi - lo, c->dtype,
+                          base_redop(c), scale, err));
         for (int p = 0; p < n; p++)
             if (p != s->local_rank)
-                memcpy(s->in_shared->base[p] + at, s->in_shared->base[s->local_rank] + at,
+                memcpy(ch->in_shared->base[p] + at, ch->in_shared->base[s->local_rank] + at,
                        (hi - lo) * elsize);
     }
-    return step(s, deadline, err);
+    return step(ch, deadline, err);
 }
 
-static dptc_status all_reduce(shm_transport *s, const dptc_coll *c, uint64_t seq,
+static dptc_status all_reduce(channel *ch, const dptc_coll *c, uint64_t seq,
                               double deadline, dptc_error *err)
 {
-    if (s->in_shared)
-        return all_reduce_shared(s, c, seq, deadline, err);
+    shm_transport *s = ch->s;
+    if (ch->in_shared)
+        return all_reduce_shared(ch, c, seq, deadline, err);
     size_t bytes = c->count * dptc_dtype_size(c->dtype);
     if (s->nnodes == 1 && (bytes <= 16384 || (s->local_size == 1 && bytes <= s->slot_bytes)))
-        return all_reduce_small(s, c, seq, deadline, err);
-    return all_reduce_large(s, c, seq, deadline, err);
+        return all_reduce_small(ch, c, seq, deadline, err);
+    return all_reduce_large(ch, c, seq, deadline, err);
 }
 
-static dptc_status broadcast(shm_transport *s, const dptc_coll *c, uint64_t seq,
+static dptc_status broadcast(channel *ch, const dptc_coll *c, uint64_t seq,
                              double deadline, dptc_error *err)
 {
+    shm_transport *s = ch->s;
     size_t elsize = dptc_dtype_size(c->dtype);
     size_t chunk_max = elements_per(s->slot_bytes, elsize);
+    CHECK(check_window(s, chunk_max, err));
     int root_node = c->root / s->local_size, root_local = c->root % s->local_size;
     int is_root = c->root == s->node * s->local_size + s->local_rank;
     unsigned char *buf = c->output;
     int first = 1;
     for (size_t done = 0; done < c->count || first;) {
         size_t chunk = c->count - done < chunk_max ? c->count - done : chunk_max;
-        unsigned char *staged = slot_buffer(s, root_local, s->rounds);
+        unsigned char *staged = slot_buffer(ch, root_local, ch->rounds);
         if (is_root)
             copy(staged, buf + done * elsize, chunk * elsize);
-        if (s->bridge && s->local_rank == root_local && chunk > 0)
-            CHECK(bridge(s, DPTC_BRIDGE_BROADCAST, c, staged, NULL, chunk, root_node, err));
-        CHECK(begin_round(s, c, seq, deadline, err));
+        if (ch->bridge && s->local_rank == root_local && chunk > 0)
+            CHECK(bridge(ch, DPTC_BRIDGE_BROADCAST, c, staged, NULL, chunk, root_node, err));
+        CHECK(begin_round(ch, c, seq, deadline, err));
         first = 0;
         if (!is_root)
             copy(buf + done * elsize, staged, chunk * elsize);
-        s->rounds++;
+        ch->rounds++;
         done += chunk;
     }
     return DPTC_OK;
@@ -535,181 +596,325 @@ static dptc_status broadcast(shm_transport *s, const dptc_coll *c, uint64_t seq,
 
 /* All-gather into shared outputs: each rank writes its input straight into
  * its block of every peer's output; nobody else writes that block. */
-static dptc_status all_gather_shared(shm_transport *s, const dptc_coll *c, uint64_t seq,
+static dptc_status all_gather_shared(channel *ch, const dptc_coll *c, uint64_t seq,
                                      double deadline, dptc_error *err)
 {
+    shm_transport *s = ch->s;
     size_t bytes = c->count * dptc_dtype_size(c->dtype);
-    size_t at = s->shared_offset + (size_t)s->local_rank * bytes;
-    CHECK(begin_round(s, c, seq, deadline, err));
+    size_t at = ch->shared_offset + (size_t)s->local_rank * bytes;
+    CHECK(begin_round(ch, c, seq, deadline, err));
     for (int p = 0; p < s->local_size; p++) {
-        unsigned char *dst = s->in_shared->base[p] + at;
+        unsigned char *dst = ch->in_shared->base[p] + at;
         if (dst != (const unsigned char *)c->input)  /* input may be my own block */
             memmove(dst, c->input, bytes);
     }
-    return step(s, deadline, err);
+    return step(ch, deadline, err);
 }
 
 /* Reduce-scatter from shared inputs: rank r reduces block r of every peer's
  * input into its output (which may be its own block r: nobody else reads
  * it); the closing step tells peers their inputs are free again. */
-static dptc_status reduce_scatter_shared(shm_transport *s, const dptc_coll *c, uint64_t seq,
+static dptc_status reduce_scatter_shared(channel *ch, const dptc_coll *c, uint64_t seq,
                                          double deadline, dptc_error *err)
 {
+    shm_transport *s = ch->s;
     size_t bytes = c->count * dptc_dtype_size(c->dtype);
-    size_t at = s->shared_offset + (size_t)s->local_rank * bytes;
-    CHECK(begin_round(s, c, seq, deadline, err));
+    size_t at = ch->shared_offset + (size_t)s->local_rank * bytes;
+    CHECK(begin_round(ch, c, seq, deadline, err));
     const void *srcs[DPTC_MAX_LOCAL];
     for (int p = 0; p < s->local_size; p++)
-        srcs[p] = s->in_shared->base[p] + at;
+        srcs[p] = ch->in_shared->base[p] + at;
     double scale = is_avg(c) ? 1.0 / s->local_size : 1.0;
-    CHECK(dptc_reduce(c->output, srcs, s->local_size, c->count, c->dtype, base_redop(c), scale));
-    return step(s, deadline, err);
+    CHECK(dptc_reduce(c->output, srcs, s->local_size, c->count, c->dtype, base_redop(c), scale, err));
+    return step(ch, deadline, err);
+}
+
+/* Copies elements [at, at + n) of group rank g's input to their place in
+ * the output, or, in the several-output form, in the outputs they belong to
+ * (see dptc_coll in engine.h). */
+static void place_gathered(const dptc_coll *c, size_t g, size_t at, size_t n,
+                           const unsigned char *src, size_t elsize)
+{
+    if (c->noutputs == 0) {
+        copy((unsigned char *)c->output + (g * c->count + at) * elsize, src, n * elsize);
+        return;
+    }
+    size_t start = 0;
+    for (int j = 0; j < c->noutputs && n > 0; j++) {
+        size_t len = c->output_counts[j];
+        if (at < start + len) {
+            size_t offset = at - start;
+            size_t take = len - offset < n ? len - offset : n;
+            copy((unsigned char *)c->outputs[j] + (g * len + offset) * elsize, src, take * elsize);
+            src += take * elsize;
+            at += take;
+            n -= take;
+        }
+        start += len;
+    }
 }
 
 /* All-gather.  Per round, a window of each rank's input is staged; across
  * nodes, the bridge gathers the windows of my local index from every node
  * into my slot; then every rank copies every slot's windows to their place
  * (global rank g = node * local_size + local). */
-static dptc_status all_gather(shm_transport *s, const dptc_coll *c, uint64_t seq,
+static dptc_status all_gather(channel *ch, const dptc_coll *c, uint64_t seq,
                               double deadline, dptc_error *err)
 {
+    shm_transport *s = ch->s;
     size_t elsize = dptc_dtype_size(c->dtype);
-    size_t parts = s->bridge ? (size_t)s->nnodes + 1 : 1;
+    size_t parts = ch->bridge ? (size_t)s->nnodes + 1 : 1;
     size_t window_max = elements_per(s->slot_bytes / parts, elsize);
     const unsigned char *in = c->input;
-    unsigned char *out = c->output;
-    if (s->in_shared)
-        return all_gather_shared(s, c, seq, deadline, err);
+    if (ch->in_shared)
+        return all_gather_shared(ch, c, seq, deadline, err);
+    CHECK(check_window(s, window_max, err));
     int first = 1;
     for (size_t done = 0; done < c->count || first;) {
         size_t w = c->count - done < window_max ? c->count - done : window_max;
-        unsigned char *mine = slot_buffer(s, s->local_rank, s->rounds);
+        unsigned char *mine = slot_buffer(ch, s->local_rank, ch->rounds);
         /* Across nodes a slot holds [nnodes gathered windows of w][my window]. */
         unsigned char *staged = mine + (size_t)s->nnodes * window_max * elsize;
-        copy(s->bridge ? staged : mine, in + done * elsize, w * elsize);
-        if (s->bridge && w > 0)
-            CHECK(bridge(s, DPTC_BRIDGE_ALL_GATHER, c, staged, mine, w, 0, err));
-        CHECK(begin_round(s, c, seq, deadline, err));
+        copy(ch->bridge ? staged : mine, in + done * elsize, w * elsize);
+        if (ch->bridge && w > 0)
+            CHECK(bridge(ch, DPTC_BRIDGE_ALL_GATHER, c, staged, mine, w, 0, err));
+        CHECK(begin_round(ch, c, seq, deadline, err));
         first = 0;
         for (int node = 0; node < s->nnodes; node++)
             for (int p = 0; p < s->local_size; p++) {
                 size_t g = (size_t)node * (size_t)s->local_size + (size_t)p;
-                copy(out + (g * c->count + done) * elsize,
-                       slot_buffer(s, p, s->rounds) + (size_t)node * w * elsize,
-                       w * elsize);
+                place_gathered(c, g, done, w,
+                               slot_buffer(ch, p, ch->rounds) + (size_t)node * w * elsize, elsize);
             }
-        s->rounds++;
+        ch->rounds++;
         done += w;
+    }
+    return DPTC_OK;
+}
+
+/* dst = op over the nsrc sources, any number of them (nodes may outnumber
+ * DPTC_MAX_LOCAL): the first batch reduces into dst, later ones fold into it. */
+static dptc_status reduce_many(void *dst, const void *const *srcs, int nsrc, size_t count,
+                               const dptc_coll *c, double scale, dptc_error *err)
+{
+    const void *batch[DPTC_MAX_LOCAL];
+    int done = 0;
+    while (done < nsrc) {
+        int k = 0;
+        if (done > 0)
+            batch[k++] = dst;
+        while (k < DPTC_MAX_LOCAL && done < nsrc)
+            batch[k++] = srcs[done++];
+        CHECK(dptc_reduce(dst, batch, k, count, c->dtype, base_redop(c),
+                          done == nsrc ? scale : 1.0, err));
     }
     return DPTC_OK;
 }
 
 /* Reduce-scatter.  Per round, a window of every rank's n input blocks is
- * staged; each rank reduces, for every node, the block of the rank with its
- * local index on that node into a scratch area; across nodes the bridge
- * reduces the scratch and each rank keeps its node's block. */
-static dptc_status reduce_scatter(shm_transport *s, const dptc_coll *c, uint64_t seq,
+ * staged.  On one node each rank reduces its own block of every peer's
+ * window into its output.  Across nodes each rank reduces, for every node,
+ * the block of the rank with its local index there into a scratch area
+ * (one window per node); the bridge's all-to-all then sends each node only
+ * its own window and brings back every node's partial sum of mine, which
+ * this rank reduces into its output: each node receives only the part it
+ * keeps, (nnodes - 1) / nnodes of a window per rank and round. */
+static dptc_status reduce_scatter(channel *ch, const dptc_coll *c, uint64_t seq,
                                   double deadline, dptc_error *err)
 {
+    shm_transport *s = ch->s;
     size_t elsize = dptc_dtype_size(c->dtype);
     int n = s->local_size * s->nnodes;
-    size_t window_max = elements_per(s->slot_bytes / (size_t)(n + s->nnodes), elsize);
+    size_t windows = (size_t)n + (ch->bridge ? 2 * (size_t)s->nnodes : 0);
+    size_t window_max = elements_per(s->slot_bytes / windows, elsize);
     const unsigned char *in = c->input;
     unsigned char *out = c->output;
     double scale = is_avg(c) ? 1.0 / n : 1.0;
-    if (s->in_shared)
-        return reduce_scatter_shared(s, c, seq, deadline, err);
+    if (ch->in_shared)
+        return reduce_scatter_shared(ch, c, seq, deadline, err);
+    CHECK(check_window(s, window_max, err));
     int first = 1;
     for (size_t done = 0; done < c->count || first;) {
         size_t w = c->count - done < window_max ? c->count - done : window_max;
-        unsigned char *mine = slot_buffer(s, s->local_rank, s->rounds);
+        unsigned char *mine = slot_buffer(ch, s->local_rank, ch->rounds);
         for (int g = 0; g < n; g++)
             copy(mine + (size_t)g * window_max * elsize,
-                   in + ((size_t)g * c->count + done) * elsize, w * elsize);
-        CHECK(begin_round(s, c, seq, deadline, err));
+                 in + ((size_t)g * c->count + done) * elsize, w * elsize);
+        CHECK(begin_round(ch, c, seq, deadline, err));
         first = 0;
         unsigned char *scratch = mine + (size_t)n * window_max * elsize;
-        for (int node = 0; node < s->nnodes; node++) {
+        unsigned char *received = scratch + (size_t)s->nnodes * window_max * elsize;
+        for (int node = 0; node < s->nnodes && w > 0; node++) {
             size_t g = (size_t)node * (size_t)s->local_size + (size_t)s->local_rank;
             const void *srcs[DPTC_MAX_LOCAL];
             for (int p = 0; p < s->local_size; p++)
-                srcs[p] = slot_buffer(s, p, s->rounds) + g * window_max * elsize;
-            void *dst = s->bridge ? scratch + (size_t)node * w * elsize : out + done * elsize;
-            if (w > 0)
-                CHECK(dptc_reduce(dst, srcs, s->local_size, w, c->dtype, base_redop(c),
-                                  s->bridge ? 1.0 : scale));
+                srcs[p] = slot_buffer(ch, p, ch->rounds) + g * window_max * elsize;
+            void *dst = ch->bridge ? scratch + (size_t)node * w * elsize : out + done * elsize;
+            CHECK(dptc_reduce(dst, srcs, s->local_size, w, c->dtype, base_redop(c),
+                              ch->bridge ? 1.0 : scale, err));
         }
-        if (s->bridge && w > 0) {
-            CHECK(bridge(s, DPTC_BRIDGE_ALL_REDUCE, c, scratch, NULL, w * (size_t)s->nnodes, 0,
-                         err));
-            unsigned char *block = scratch + (size_t)s->node * w * elsize;
-            if (scale != 1.0)
-                CHECK(dptc_scale(block, w, c->dtype, scale));
-            copy(out + done * elsize, block, w * elsize);
+        if (ch->bridge && w > 0) {
+            CHECK(bridge(ch, DPTC_BRIDGE_ALL_TO_ALL, c, scratch, received, w, 0, err));
+            const void *srcs[DPTC_MAX_LOCAL];
+            const void **from = s->nnodes <= DPTC_MAX_LOCAL ? srcs : NULL;
+            if (!from) {
+                from = malloc((size_t)s->nnodes * sizeof *from);
+                if (!from)
+                    return dptc_fail(err, DPTC_ERR_NOMEM, "out of memory");
+            }
+            for (int node = 0; node < s->nnodes; node++)
+                from[node] = received + (size_t)node * w * elsize;
+            dptc_status status = reduce_many(out + done * elsize, from, s->nnodes, w, c, scale,
+                                             err);
+            if (from != srcs)
+                free(from);
+            CHECK(status);
         }
-        s->rounds++;
+        ch->rounds++;
         done += w;
     }
     return DPTC_OK;
 }
 
-static dptc_status barrier(shm_transport *s, const dptc_coll *c, uint64_t seq, double deadline,
+static dptc_status barrier(channel *ch, const dptc_coll *c, uint64_t seq, double deadline,
                            dptc_error *err)
 {
-    CHECK(begin_round(s, c, seq, deadline, err));
-    if (s->bridge) {
+    shm_transport *s = ch->s;
+    CHECK(begin_round(ch, c, seq, deadline, err));
+    if (ch->bridge) {
         /* A one-byte all-reduce across nodes, on my staging buffer. */
         dptc_coll one = {.op = DPTC_OP_ALL_REDUCE, .dtype = DPTC_UINT8, .redop = DPTC_MAX};
-        unsigned char *mine = slot_buffer(s, s->local_rank, s->rounds);
+        unsigned char *mine = slot_buffer(ch, s->local_rank, ch->rounds);
         mine[0] = 1;
         if (s->local_rank == 0)
-            CHECK(bridge(s, DPTC_BRIDGE_ALL_REDUCE, &one, mine, NULL, 1, 0, err));
-        CHECK(step(s, deadline, err));
+            CHECK(bridge(ch, DPTC_BRIDGE_ALL_REDUCE, &one, mine, NULL, 1, 0, err));
+        CHECK(step(ch, deadline, err));
     }
-    s->rounds++;
+    ch->rounds++;
     return DPTC_OK;
 }
 
 /* ------------------------------------------------------------------ */
-/* Shared buffers (see [Note: shared buffers] in engine.h) */
+/* Segments
+ *
+ * [Note: segments]
+ * Segments are memfd files by default: they live in the kernel's internal
+ * shared-memory mount, which /dev/shm's size does not limit (Docker's
+ * default /dev/shm is 64 MiB), and they have no name anyone else could
+ * find.  Local peers open the creator's descriptor through
+ * /proc/<pid>/fd/<fd>; once every local rank has mapped a segment, its
+ * creator closes that descriptor (dptc_shm_unlink, or share's second step),
+ * so nothing is left even after a SIGKILL.  DPTC_SHM=posix uses /dev/shm
+ * names instead (created 0600 under the group's random token, unlinked
+ * likewise).  Either way every page is reserved with posix_fallocate when
+ * the segment is made, so a full file system is an error naming the remedy,
+ * never a SIGBUS at first touch. */
+
+static int use_memfd(void)
+{
+    const char *mode = getenv("DPTC_SHM");
+    return !(mode && strcmp(mode, "posix") == 0);
+}
+
+static dptc_status reserve(int fd, size_t bytes, int on_dev_shm, dptc_error *err)
+{
+    if (ftruncate(fd, (off_t)bytes) != 0)
+        return dptc_fail(err, DPTC_ERR_SYSTEM, "ftruncate of a shared segment to %zu bytes "
+                         "failed: %s", bytes, strerror(errno));
+    int rc = posix_fallocate(fd, 0, (off_t)bytes);
+    if (rc == 0 || rc == EINVAL || rc == EOPNOTSUPP)
+        return DPTC_OK;
+    if (!on_dev_shm)
+        return dptc_fail(err, DPTC_ERR_NOMEM, "could not reserve %zu bytes of shared memory "
+                         "(memfd): %s; the machine or the container's memory limit is "
+                         "exhausted", bytes, strerror(rc));
+    struct statvfs fs;
+    unsigned long long free_bytes = 0, size_bytes = 0;
+    if (statvfs("/dev/shm", &fs) == 0) {
+        free_bytes = (unsigned long long)fs.f_bavail * fs.f_frsize;
+        size_bytes = (unsigned long long)fs.f_blocks * fs.f_frsize;
+    }
+    return dptc_fail(err, DPTC_ERR_NOMEM,
+                     "could not reserve %zu bytes in /dev/shm (%llu of %llu bytes free): %s. "
+                     "Enlarge /dev/shm (docker run --shm-size=2g, or mount -o remount,size=2g "
+                     "/dev/shm), or unset DPTC_SHM=posix so that dptc uses memfd memory, which "
+                     "the size of /dev/shm does not limit", bytes, free_bytes, size_bytes,
+                     strerror(rc));
+}
+
+static dptc_status map_fd(int fd, size_t bytes, unsigned char **out, dptc_error *err)
+{
+    void *map = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (map == MAP_FAILED)
+        return dptc_fail(err, DPTC_ERR_SYSTEM, "mmap of %zu shared bytes failed: %s", bytes,
+                         strerror(errno));
+    *out = map;
+    return DPTC_OK;
+}
+
+/* Creates a segment of `bytes` and maps it.  *fd receives the memfd that
+ * peers open (see [Note: segments]), or -1 when `name` was created in
+ * /dev/shm instead. */
+static dptc_status create_segment(const char *name, size_t bytes, int *fd, unsigned char **out,
+                                  dptc_error *err)
+{
+    int memfd = use_memfd();
+    int handle = memfd ? memfd_create("dptc", MFD_CLOEXEC) : -1;
+    if (handle < 0 && memfd && errno != ENOSYS)
+        return dptc_fail(err, DPTC_ERR_SYSTEM, "memfd_create failed: %s", strerror(errno));
+    if (handle < 0) {
+        memfd = 0;
+        handle = shm_open(name, O_RDWR | O_CREAT | O_EXCL, 0600);
+        if (handle < 0)
+            return dptc_fail(err, DPTC_ERR_SYSTEM, "shm_open(%s) failed: %s", name,
+                             strerror(errno));
+    }
+    dptc_status status;
+    CHECK_GOTO(reserve(handle, bytes, !memfd, err), status, fail);
+    CHECK_GOTO(map_fd(handle, bytes, out, err), status, fail);
+    if (memfd) {
+        *fd = handle;
+    } else {
+        close(handle);
+        *fd = -1;
+    }
+    return DPTC_OK;
+fail:
+    close(handle);
+    if (!memfd)
+        shm_unlink(name);
+    return status;
+}
+
+/* Opens and maps a peer's segment: a /proc/<pid>/fd/<fd> path or a
+ * /dev/shm name.  Another size means the local ranks disagree on what they
+ * map. */
+static dptc_status open_segment(const char *path, size_t bytes, unsigned char **out,
+                                dptc_error *err)
+{
+    int fd = strncmp(path, "/proc/", 6) == 0 ? open(path, O_RDWR | O_CLOEXEC)
+                                              : shm_open(path, O_RDWR, 0600);
+    if (fd < 0)
+        return dptc_fail(err, DPTC_ERR_SYSTEM, "opening the shared segment %s failed: %s", path,
+                         strerror(errno));
+    dptc_status status = DPTC_OK;
+    struct stat st;
+    if (fstat(fd, &st) != 0 || (size_t)st.st_size != bytes)
+        status = dptc_fail(err, DPTC_ERR_SYSTEM,
+                           "shared segment %s has %lld bytes, expected %zu: local ranks disagree "
+                           "on its size", path, (long long)st.st_size, bytes);
+    else
+        status = map_fd(fd, bytes, out, err);
+    close(fd);
+    return status;
+}
+
+/* ------------------------------------------------------------------ */
+/* Shared buffers (see [Note: shared buffers] in shm.h) */
 
 static void shared_name(const shm_transport *s, int local, uint64_t id, char *out, size_t n)
 {
     snprintf(out, n, "%s-r%d-b%llu", s->name, local, (unsigned long long)id);
-}
-
-/* Creates (0600, failing if the name exists) or opens the segment `name` of
- * `bytes` bytes and maps it.  An opened segment of another size means the
- * local ranks disagree on what they are mapping. */
-static dptc_status map_shared(const char *name, int create, size_t bytes, unsigned char **out,
-                              dptc_error *err)
-{
-    int fd = shm_open(name, create ? O_RDWR | O_CREAT | O_EXCL : O_RDWR, 0600);
-    if (fd < 0)
-        return dptc_fail(err, DPTC_ERR_SYSTEM, "shm_open(%s) failed: %s", name, strerror(errno));
-    dptc_status status = DPTC_OK;
-    if (create && ftruncate(fd, (off_t)bytes) != 0) {
-        status = dptc_fail(err, DPTC_ERR_SYSTEM, "ftruncate of %s to %zu bytes failed: %s", name,
-                           bytes, strerror(errno));
-        goto exit;
-    }
-    struct stat st;
-    if (fstat(fd, &st) != 0 || (size_t)st.st_size != bytes) {
-        status = dptc_fail(err, DPTC_ERR_SYSTEM,
-                           "shared segment %s has %lld bytes, expected %zu: local ranks disagree "
-                           "on its size", name, (long long)st.st_size, bytes);
-        goto exit;
-    }
-    void *map = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    if (map == MAP_FAILED) {
-        status = dptc_fail(err, DPTC_ERR_SYSTEM, "mmap of %zu shared bytes failed: %s", bytes,
-                           strerror(errno));
-        goto exit;
-    }
-    *out = map;
-exit:
-    close(fd);
-    return status;
 }
 
 void dptc_shm_shared_free(dptc_shared *sh)
@@ -772,20 +977,21 @@ static const dptc_shared *find_shared(shm_transport *s, const void *ptr, size_t 
     return found;
 }
 
-/* The shared buffer a collective can work in place on (see [Note: shared
- * buffers] in engine.h): the in-place all-reduce's tensor, the all-gather's
- * output, the reduce-scatter's input; on one node only. */
-static const dptc_shared *find_shared_operand(shm_transport *s, const dptc_coll *c,
-                                              size_t *offset)
+/* The shared buffer a collective can work in place on: the in-place
+ * all-reduce's tensor, the single-output all-gather's output, the
+ * reduce-scatter's input; on one node only. */
+static const dptc_shared *find_shared_operand(channel *ch, const dptc_coll *c, size_t *offset)
 {
-    if (s->bridge || c->count == 0)
+    shm_transport *s = ch->s;
+    if (ch->bridge || c->count == 0)
         return NULL;
     size_t bytes = c->count * dptc_dtype_size(c->dtype);
     switch (c->op) {
     case DPTC_OP_ALL_REDUCE:
         return c->input == c->output ? find_shared(s, c->input, bytes, offset) : NULL;
     case DPTC_OP_ALL_GATHER:
-        return find_shared(s, c->output, bytes * (size_t)s->local_size, offset);
+        return c->noutputs == 0 ? find_shared(s, c->output, bytes * (size_t)s->local_size, offset)
+                                : NULL;
     case DPTC_OP_REDUCE_SCATTER:
         return find_shared(s, c->input, bytes * (size_t)s->local_size, offset);
     default:
@@ -793,38 +999,46 @@ static const dptc_shared *find_shared_operand(shm_transport *s, const dptc_coll 
     }
 }
 
-/* DPTC_OP_SHARE: every local rank creates its segment, waits for all, maps
- * its peers', waits again, and removes its name, so nothing is left in
- * /dev/shm.  On failure every rank removes every name: a peer that died
- * before removing its own leaves nothing behind either. */
-static dptc_status share(shm_transport *s, const dptc_coll *c, uint64_t seq, double deadline,
-                         dptc_error *err)
+/* Every local rank creates its segment and publishes its descriptor in its
+ * record, waits for all, maps its peers', waits again, and closes its
+ * descriptor (or removes its name), so nothing is left behind.  On failure
+ * every rank removes every name: a peer that died before removing its own
+ * leaves nothing behind either. */
+static dptc_status share(channel *ch, const dptc_coll *c, dptc_shm_share_request *request,
+                         uint64_t seq, double deadline, dptc_error *err)
 {
-    dptc_shared *sh = c->output;
+    shm_transport *s = ch->s;
+    dptc_shared *sh = request->out;
     memset(sh, 0, sizeof *sh);
-    sh->id = s->next_shared_id++;
-    sh->bytes = round_up(c->count ? c->count : 1, ALIGN_BYTES);
+    sh->id = ch->shared_made++ * DPTC_MAX_STREAMS + (uint64_t)ch->index;
+    sh->bytes = round_up(request->nbytes ? request->nbytes : 1, ALIGN_BYTES);
     sh->local_rank = s->local_rank;
     sh->local_size = s->local_size;
     char name[300];
+    int fd = -1;
+    peer_record *me = &ch->peers[s->local_rank];
     shared_name(s, s->local_rank, sh->id, name, sizeof name);
-    dptc_status status = map_shared(name, 1, sh->bytes, &sh->base[s->local_rank], err);
+    dptc_status status = create_segment(name, sh->bytes, &fd, &sh->base[s->local_rank], err);
     if (status != DPTC_OK) {
         shm_abort(&s->base, status, err->message);
         return status;
     }
-    CHECK_GOTO(begin_round(s, c, seq, deadline, err), status, fail);
+    atomic_store(&me->share_fd, fd);
+    CHECK_GOTO(begin_round(ch, c, seq, deadline, err), status, fail);
     for (int p = 0; p < s->local_size; p++) {
         if (p == s->local_rank)
             continue;
-        shared_name(s, p, sh->id, name, sizeof name);
-        CHECK_GOTO(map_shared(name, 0, sh->bytes, &sh->base[p], err), status, fail);
+        int their_fd = atomic_load(&ch->peers[p].share_fd);
+        if (their_fd >= 0)
+            snprintf(name, sizeof name, "/proc/%d/fd/%d", (int)atomic_load(&ch->peers[p].pid),
+                     their_fd);
+        else
+            shared_name(s, p, sh->id, name, sizeof name);
+        CHECK_GOTO(open_segment(name, sh->bytes, &sh->base[p], err), status, fail);
     }
-    CHECK_GOTO(step(s, deadline, err), status, fail);
-    shared_name(s, s->local_rank, sh->id, name, sizeof name);
-    shm_unlink(name);
+    CHECK_GOTO(step(ch, deadline, err), status, fail);
     CHECK_GOTO(remember_shared(s, sh, err), status, fail);
-    return DPTC_OK;
+    goto exit;
 fail:
     for (int p = 0; p < s->local_size; p++) {
         shared_name(s, p, sh->id, name, sizeof name);
@@ -833,57 +1047,108 @@ fail:
     dptc_shm_shared_free(sh);
     if (!atomic_load(&s->header->aborted))
         shm_abort(&s->base, status, err->message);
+exit:
+    atomic_store(&me->share_fd, -1);
+    if (fd >= 0) {
+        close(fd);
+    } else {
+        shared_name(s, s->local_rank, sh->id, name, sizeof name);
+        shm_unlink(name);
+    }
     return status;
 }
 
-static dptc_status shm_run(dptc_transport *t, const dptc_coll *c, uint64_t seq,
-                           double deadline, dptc_error *err)
+/* ------------------------------------------------------------------ */
+/* The transport table */
+
+typedef dptc_status (*algorithm)(channel *ch, const dptc_coll *c, uint64_t seq, double deadline,
+                                 dptc_error *err);
+
+/* What every operation does first: fail at once if a peer aborted; find
+ * the shared buffer it may work in; across nodes, compare fingerprints
+ * locally and then across nodes before the first byte moves (a bridged step
+ * issued by mismatched nodes could otherwise wait in gloo). */
+static dptc_status prologue(channel *ch, const dptc_coll *c, const dptc_order *order,
+                            dptc_error *err)
 {
-    shm_transport *s = (shm_transport *)t;
-    if (atomic_load(&s->header->aborted))
+    shm_transport *s = ch->s;
+    if (atomic_load_explicit(&s->header->aborted, memory_order_acquire))
         return aborted_error(s, err);
-    s->unchecked = 1;
-    s->in_shared = find_shared_operand(s, c, &s->shared_offset);
-    if (s->bridge) {
-        /* Locally, then across nodes, before the first byte moves: a bridged
-         * step issued by mismatched nodes could otherwise wait in gloo. */
-        CHECK(first_step(s, c, seq, deadline, err));
-        CHECK(check_across_nodes(s, c, seq, err));
-        s->unchecked = 0;
+    ch->unchecked = 1;
+    ch->in_shared = find_shared_operand(ch, c, &ch->shared_offset);
+    if (ch->bridge) {
+        CHECK(first_step(ch, c, order->seq, order->deadline, err));
+        CHECK(check_across_nodes(ch, c, order->seq, err));
+        ch->unchecked = 0;
     }
-    switch (c->op) {
-    case DPTC_OP_ALL_REDUCE:
-        return all_reduce(s, c, seq, deadline, err);
-    case DPTC_OP_BROADCAST:
-        return broadcast(s, c, seq, deadline, err);
-    case DPTC_OP_ALL_GATHER:
-        return all_gather(s, c, seq, deadline, err);
-    case DPTC_OP_REDUCE_SCATTER:
-        return reduce_scatter(s, c, seq, deadline, err);
-    case DPTC_OP_BARRIER:
-        return barrier(s, c, seq, deadline, err);
-    case DPTC_OP_SHARE:
-        return share(s, c, seq, deadline, err);
-    default:
-        return dptc_fail(err, DPTC_ERR_INVALID, "unknown collective %d", (int)c->op);
-    }
+    return DPTC_OK;
 }
 
-/* ------------------------------------------------------------------ */
-/* Abort, open, close */
+static dptc_status run(dptc_transport *t, const dptc_order *order, const dptc_coll *c,
+                       dptc_completion *done, algorithm how, dptc_error *err)
+{
+    /* Complete on return: see [Note: completions] in transport.h. */
+    done->wait = NULL;
+    channel *ch = &((shm_transport *)t)->channels[order->stream];
+    CHECK(prologue(ch, c, order, err));
+    return how(ch, c, order->seq, order->deadline, err);
+}
 
+dptc_status dptc_shm_share(dptc_transport *t, const dptc_order *order, void *request,
+                           dptc_error *err)
+{
+    dptc_shm_share_request *r = request;
+    dptc_coll c = {.op = DPTC_OP_CALL, .dtype = DPTC_UINT8, .count = r->nbytes};
+    channel *ch = &((shm_transport *)t)->channels[order->stream];
+    CHECK(prologue(ch, &c, order, err));
+    return share(ch, &c, r, order->seq, order->deadline, err);
+}
+
+static dptc_status shm_all_reduce(dptc_transport *t, const dptc_order *order, const dptc_coll *c,
+                                  dptc_completion *done, dptc_error *err)
+{
+    return run(t, order, c, done, all_reduce, err);
+}
+
+static dptc_status shm_reduce_scatter(dptc_transport *t, const dptc_order *order,
+                                      const dptc_coll *c, dptc_completion *done, dptc_error *err)
+{
+    return run(t, order, c, done, reduce_scatter, err);
+}
+
+static dptc_status shm_all_gather(dptc_transport *t, const dptc_order *order, const dptc_coll *c,
+                                  dptc_completion *done, dptc_error *err)
+{
+    return run(t, order, c, done, all_gather, err);
+}
+
+static dptc_status shm_broadcast(dptc_transport *t, const dptc_order *order, const dptc_coll *c,
+                                 dptc_completion *done, dptc_error *err)
+{
+    return run(t, order, c, done, broadcast, err);
+}
+
+static dptc_status shm_barrier(dptc_transport *t, const dptc_order *order, const dptc_coll *c,
+                               dptc_completion *done, dptc_error *err)
+{
+    return run(t, order, c, done, barrier, err);
+}
+
+/* See [Note: abort record]. */
 static void shm_abort(dptc_transport *t, dptc_status status, const char *reason)
 {
     shm_transport *s = (shm_transport *)t;
+    shm_header *h = s->header;
     uint32_t expected = 0;
-    if (atomic_compare_exchange_strong(&s->header->aborted, &expected, (uint32_t)DPTC_ERR_ABORTED)) {
-        snprintf(s->header->reason, REASON_MAX, "%s", reason ? reason : "aborted");
-        atomic_store(&s->header->aborter, (uint32_t)s->local_rank);
-        atomic_store(&s->header->aborted, (uint32_t)status);
+    if (atomic_compare_exchange_strong(&h->claimed, &expected, 1)) {
+        snprintf(h->reason, REASON_MAX, "%s", reason ? reason : "aborted");
+        atomic_store(&h->aborter, (uint32_t)s->local_rank);
+        atomic_store_explicit(&h->aborted, (uint32_t)status, memory_order_release);
     }
     /* Wake everyone sleeping on any counter of this node. */
-    for (int p = 0; p < s->local_size; p++)
-        futex(&s->peers[p].counter, FUTEX_WAKE, INT_MAX, NULL);
+    for (int k = 0; k < s->nstreams; k++)
+        for (int p = 0; p < s->local_size; p++)
+            futex(&s->channels[k].peers[p].counter, FUTEX_WAKE, INT_MAX, NULL);
 }
 
 static void shm_destroy(dptc_transport *t)
@@ -891,54 +1156,74 @@ static void shm_destroy(dptc_transport *t)
     shm_transport *s = (shm_transport *)t;
     /* Shared buffers belong to their owners; only forget them. */
     free(s->shared);
+    free(s->global_ranks);
     pthread_mutex_destroy(&s->shared_lock);
     if (s->map)
         munmap(s->map, s->map_bytes);
-    if (s->bridge)
-        dptc_bridge_free(s->bridge);
+    if (s->fd >= 0)
+        close(s->fd);
+    for (int k = 0; k < DPTC_MAX_STREAMS; k++)
+        if (s->channels[k].bridge)
+            dptc_bridge_free(s->channels[k].bridge);
     free(s);
 }
 
-static const dptc_transport_ops shm_ops = {
+static dptc_status shm_open_transport(const dptc_group_config *cfg, dptc_transport **out,
+                                      dptc_error *err);
+
+const dptc_transport_ops dptc_shm_transport = {
     .name = "shm",
-    .run = shm_run,
+    .open = shm_open_transport,
+    .all_reduce = shm_all_reduce,
+    .reduce_scatter = shm_reduce_scatter,
+    .all_gather = shm_all_gather,
+    .broadcast = shm_broadcast,
+    .barrier = shm_barrier,
     .abort = shm_abort,
     .destroy = shm_destroy,
 };
 
-void dptc_shm_set_bridge(dptc_transport *t, dptc_bridge *bridge)
+void dptc_shm_set_bridge(dptc_transport *t, int stream, dptc_bridge *bridge)
 {
     shm_transport *s = (shm_transport *)t;
-    if (s->bridge)
-        dptc_bridge_free(s->bridge);
-    s->bridge = bridge;
+    channel *ch = &s->channels[stream];
+    if (ch->bridge)
+        dptc_bridge_free(ch->bridge);
+    ch->bridge = bridge;
 }
 
 void dptc_shm_unlink(dptc_transport *t)
 {
     shm_transport *s = (shm_transport *)t;
-    if (s->name[0])
+    if (s->fd >= 0) {
+        close(s->fd);
+        s->fd = -1;
+    } else if (strncmp(s->name, "/dptc", 5) == 0) {
         shm_unlink(s->name);
+    }
 }
 
-void *dptc_shm_slot(dptc_transport *t, int local, size_t *bytes)
+dptc_status dptc_shm_failure(dptc_transport *t, dptc_error *err)
 {
     shm_transport *s = (shm_transport *)t;
-    if (local < 0 || local >= s->local_size)
+    if (!atomic_load_explicit(&s->header->aborted, memory_order_acquire))
+        return DPTC_OK;
+    return aborted_error(s, err);
+}
+
+int dptc_shm_segment_fd(dptc_transport *t) { return ((shm_transport *)t)->fd; }
+
+void *dptc_shm_slot(dptc_transport *t, int stream, int local, size_t *bytes)
+{
+    shm_transport *s = (shm_transport *)t;
+    if (local < 0 || local >= s->local_size || stream < 0 || stream >= s->nstreams)
         return NULL;
     *bytes = s->region;
-    return s->slots + (size_t)local * s->region;
+    return s->channels[stream].slots + (size_t)local * s->region;
 }
 
-static dptc_status map_segment(shm_transport *s, const dptc_group_config *cfg, dptc_error *err)
-{
-    size_t bytes = slots_offset(cfg->local_size) + (size_t)cfg->local_size * s->region;
-    CHECK(map_shared(cfg->shm_name, cfg->create, bytes, &s->map, err));
-    s->map_bytes = bytes;
-    return DPTC_OK;
-}
-
-dptc_status dptc_shm_open(const dptc_group_config *cfg, dptc_transport **out, dptc_error *err)
+static dptc_status shm_open_transport(const dptc_group_config *cfg, dptc_transport **out,
+                                      dptc_error *err)
 {
     dptc_status status = DPTC_OK;
     if (cfg->local_size < 1 || cfg->local_size > DPTC_MAX_LOCAL || cfg->local_rank < 0 ||
@@ -949,39 +1234,63 @@ dptc_status dptc_shm_open(const dptc_group_config *cfg, dptc_transport **out, dp
     shm_transport *s = calloc(1, sizeof *s);
     if (!s)
         return dptc_fail(err, DPTC_ERR_NOMEM, "out of memory");
-    s->base.ops = &shm_ops;
+    s->base.ops = &dptc_shm_transport;
+    s->fd = -1;
     pthread_mutex_init(&s->shared_lock, NULL);
     s->local_rank = cfg->local_rank;
     s->local_size = cfg->local_size;
     s->node = cfg->node;
     s->nnodes = cfg->nnodes;
+    s->nstreams = cfg->nstreams;
+    s->global_ranks = malloc((size_t)cfg->size * sizeof *s->global_ranks);
+    if (!s->global_ranks) {
+        status = dptc_fail(err, DPTC_ERR_NOMEM, "out of memory");
+        goto fail;
+    }
+    for (int r = 0; r < cfg->size; r++)
+        s->global_ranks[r] = cfg->global_ranks ? cfg->global_ranks[r] : r;
     s->slot_bytes = round_up(cfg->slot_bytes < 65536 ? 65536 : cfg->slot_bytes, ALIGN_BYTES);
     s->region = 2 * s->slot_bytes;
     long cpus = sysconf(_SC_NPROCESSORS_ONLN);
     /* Spinning only helps when every rank can own a core. */
     s->spin_s = cpus >= cfg->local_size ? 50e-6 : 2e-6;
     snprintf(s->name, sizeof s->name, "%s", cfg->shm_name);
-    CHECK_GOTO(map_segment(s, cfg, err), status, fail);
+    size_t slots_at = slots_offset(cfg->local_size, cfg->nstreams);
+    s->map_bytes = slots_at + (size_t)(cfg->nstreams * cfg->local_size) * s->region;
+    if (cfg->create)
+        CHECK_GOTO(create_segment(cfg->shm_name, s->map_bytes, &s->fd, &s->map, err), status,
+                   fail);
+    else
+        CHECK_GOTO(open_segment(cfg->shm_name, s->map_bytes, &s->map, err), status, fail);
     s->header = (shm_header *)s->map;
-    s->peers = (peer_record *)(s->map + peers_offset());
-    s->slots = s->map + slots_offset(cfg->local_size);
     if (cfg->create) {
         s->header->local_size = (uint32_t)cfg->local_size;
         s->header->node = (uint32_t)cfg->node;
+        s->header->nstreams = (uint32_t)cfg->nstreams;
         s->header->slot_bytes = s->slot_bytes;
         s->header->version = SHM_VERSION;
         atomic_thread_fence(memory_order_release);
         s->header->magic = SHM_MAGIC;
     } else if (s->header->magic != SHM_MAGIC || s->header->version != SHM_VERSION ||
                s->header->local_size != (uint32_t)cfg->local_size ||
+               s->header->nstreams != (uint32_t)cfg->nstreams ||
                s->header->slot_bytes != s->slot_bytes) {
         status = dptc_fail(err, DPTC_ERR_SYSTEM,
                            "shared segment %s was not created for this group (magic %x, "
-                           "%u local ranks, %llu slot bytes)", cfg->shm_name, s->header->magic,
-                           s->header->local_size, (unsigned long long)s->header->slot_bytes);
+                           "%u local ranks, %u streams, %llu slot bytes)", cfg->shm_name,
+                           s->header->magic, s->header->local_size, s->header->nstreams,
+                           (unsigned long long)s->header->slot_bytes);
         goto fail;
     }
-    atomic_store(&s->peers[s->local_rank].pid, (int32_t)getpid());
+    for (int k = 0; k < s->nstreams; k++) {
+        channel *ch = &s->channels[k];
+        ch->s = s;
+        ch->index = k;
+        ch->peers = (peer_record *)(s->map + peers_offset()) + (size_t)k * (size_t)s->local_size;
+        ch->slots = s->map + slots_at + (size_t)(k * s->local_size) * s->region;
+        atomic_store(&ch->peers[s->local_rank].pid, (int32_t)getpid());
+        atomic_store(&ch->peers[s->local_rank].share_fd, -1);
+    }
     *out = &s->base;
     return DPTC_OK;
 fail:

@@ -7,15 +7,17 @@ import importlib
 
 from . import _C
 from ._C import CollectiveMismatchError, DistError, DistTimeoutError, PeerLostError
-from .collectives import (ReduceOp, all_gather_into_tensor, all_gather_single, all_reduce,
-                          barrier, broadcast, reduce_scatter_single, reduce_scatter_tensor)
+from .collectives import (ReduceOp, all_gather_into_tensor, all_gather_into_tensors,
+                          all_gather_single, all_reduce, barrier, broadcast,
+                          reduce_scatter_single, reduce_scatter_tensor)
 from .group import (ProcessGroup, destroy_process_group, get_rank, get_world_size,
-                    init_process_group, is_initialized)
+                    init_process_group, is_initialized, new_group)
 
 __all__ = [
     "DistError", "DistTimeoutError", "PeerLostError", "CollectiveMismatchError",
     "ReduceOp", "all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor",
-    "all_gather_single", "reduce_scatter_single", "barrier", "ProcessGroup", "init_process_group", "destroy_process_group", "is_initialized",
+    "all_gather_single", "reduce_scatter_single", "all_gather_into_tensors", "barrier",
+    "ProcessGroup", "init_process_group", "destroy_process_group", "is_initialized", "new_group",
     "get_rank", "get_world_size", "DistributedDataParallel", "DDP",
 ]
 

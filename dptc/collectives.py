@@ -1,7 +1,9 @@
 """Collectives with torch.distributed's signatures, run by dptc's C engine.
 
-Each function checks its arguments, then hands C the tensors' data pointers,
-element counts and dtype codes; the bytes move in C with the GIL released.
+Each function checks its arguments, then hands C the tensors themselves with their element
+counts and dtype codes; C asks each tensor for its data pointer and the bytes move in C with the
+GIL released.  ``group`` is anything torch accepts (see group.resolve); on a rank outside the
+group a collective does nothing and returns None, as torch's do.
 With ``async_op=True`` the function returns a handle (``wait()``,
 ``is_completed()``) that keeps the tensors alive until the work completes.
 """
@@ -14,7 +16,8 @@ from ._dtypes import (OP_ALL_GATHER, OP_ALL_REDUCE, OP_BARRIER, OP_BROADCAST,
 from .group import resolve
 
 __all__ = ["ReduceOp", "all_reduce", "broadcast", "all_gather_into_tensor",
-           "reduce_scatter_tensor", "all_gather_single", "reduce_scatter_single", "barrier"]
+           "reduce_scatter_tensor", "all_gather_single", "reduce_scatter_single", "barrier",
+           "all_gather_into_tensors"]
 
 ReduceOp = dist.ReduceOp
 
@@ -47,49 +50,103 @@ def _check_pair(pg, shard, shard_name, full, full_name):
     return code
 
 
-def _issue(pg, op, dtype, redop, input, output, count, root, keep, async_op):
-    args = (op, dtype, redop, input.data_ptr() if input is not None else 0,
-            output.data_ptr() if output is not None else 0, count, root)
+def _issue(pg, op, dtype, redop, input, output, count, root, async_op, stream):
+    if not isinstance(stream, int) or not 0 <= stream < pg.num_streams:
+        raise ValueError(f"stream must be an int in [0, {pg.num_streams}) (the group's "
+                         f"num_streams; DPTC_STREAMS sets it), got {stream!r}")
+    args = (op, dtype, redop, input, output, count, root, stream)
     if async_op:
-        return pg._c.submit(*args, keep)
+        return pg._c.submit(*args)
     pg._c.run(*args)
     return None
 
 
-def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
-    """Reduces tensor in place across the group (SUM, AVG, MAX, MIN, PRODUCT)."""
+def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False, *, stream=0):
+    """Reduces tensor in place across the group (SUM, AVG, MAX, MIN, PRODUCT).
+
+    dptc's extension: ``stream`` picks one of the group's independent ordered streams.
+    """
     pg = resolve(group)
+    if pg is None:
+        return None
     code = _check_tensor(tensor, "tensor")
     redop = redop_code(op, tensor.dtype)
-    return _issue(pg, OP_ALL_REDUCE, code, redop, tensor, tensor, tensor.numel(), 0,
-                  (tensor,), async_op)
+    return _issue(pg, OP_ALL_REDUCE, code, redop, tensor, tensor, tensor.numel(), 0, async_op,
+                  stream)
 
 
-def broadcast(tensor, src, group=None, async_op=False):
-    """Copies rank src's tensor into tensor on every rank."""
+def broadcast(tensor, src=None, group=None, async_op=False, group_src=None, *, stream=0):
+    """Copies the tensor of rank src (a global rank, or group_src within the group) into
+    tensor on every rank."""
     pg = resolve(group)
+    if pg is None:
+        return None
     code = _check_tensor(tensor, "tensor")
-    if not isinstance(src, int) or not 0 <= src < pg.size:
-        raise ValueError(f"src must be a rank in [0, {pg.size}), got {src!r}")
-    return _issue(pg, OP_BROADCAST, code, 0, tensor, tensor, tensor.numel(), src, (tensor,),
-                  async_op)
+    if (src is None) == (group_src is None):
+        raise ValueError(f"pass exactly one of src (a global rank) and group_src (a rank of the "
+                         f"group), got src={src!r}, group_src={group_src!r}")
+    if group_src is None:
+        if not isinstance(src, int):
+            raise ValueError(f"src must be a global rank (int), got {src!r}")
+        root = pg.group_rank(src, "src")
+    else:
+        if not isinstance(group_src, int) or not 0 <= group_src < pg.size:
+            raise ValueError(f"group_src must be a rank of the group in [0, {pg.size}), got "
+                             f"{group_src!r}")
+        root = group_src
+    return _issue(pg, OP_BROADCAST, code, 0, tensor, tensor, tensor.numel(), root, async_op,
+                  stream)
 
 
-def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
-    """Concatenates every rank's input_tensor, by rank, into output_tensor."""
+def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False, *,
+                           stream=0):
+    """Concatenates every rank's input_tensor, by group rank, into output_tensor."""
     pg = resolve(group)
+    if pg is None:
+        return None
     code = _check_pair(pg, input_tensor, "input_tensor", output_tensor, "output_tensor")
     return _issue(pg, OP_ALL_GATHER, code, 0, input_tensor, output_tensor, input_tensor.numel(),
-                  0, (output_tensor, input_tensor), async_op)
+                  0, async_op, stream)
 
 
-def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=False):
+def all_gather_into_tensors(outputs, input_tensor, group=None, async_op=False, *, stream=0):
+    """All-gather straight into several outputs (dptc's extension, for FSDP's per-parameter
+    storage): ``input_tensor`` is the concatenation of pieces; output j receives every rank's
+    j-th piece, by group rank, so it has group size times as many elements as that piece."""
+    pg = resolve(group)
+    if pg is None:
+        return None
+    code = _check_tensor(input_tensor, "input_tensor")
+    if not isinstance(outputs, (list, tuple)) or not outputs:
+        raise TypeError(f"outputs must be a non-empty list of tensors, got {outputs!r}")
+    total = 0
+    for j, out in enumerate(outputs):
+        _check_tensor(out, f"outputs[{j}]")
+        if out.dtype != input_tensor.dtype:
+            raise TypeError(f"outputs[{j}] has dtype {out.dtype} but input_tensor has "
+                            f"{input_tensor.dtype}; they must match")
+        if out.numel() % pg.size:
+            raise ValueError(f"outputs[{j}] has {out.numel()} elements, not a multiple of the "
+                             f"group size {pg.size}")
+        total += out.numel() // pg.size
+    if total != input_tensor.numel():
+        raise ValueError(f"input_tensor has {input_tensor.numel()} elements but the outputs "
+                         f"hold pieces of {total} in all; input_tensor must be their "
+                         f"concatenation")
+    return _issue(pg, OP_ALL_GATHER, code, 0, input_tensor, list(outputs), input_tensor.numel(),
+                  0, async_op, stream)
+
+
+def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=False, *,
+                          stream=0):
     """Reduces input across ranks and leaves block `rank` of the result in output."""
     pg = resolve(group)
+    if pg is None:
+        return None
     code = _check_pair(pg, output, "output", input, "input")
     redop = redop_code(op, input.dtype)
     return _issue(pg, OP_REDUCE_SCATTER, code, redop, input, output, output.numel(), 0,
-                  (output, input), async_op)
+                  async_op, stream)
 
 
 # torch 2.13's names for the same two collectives.
@@ -97,7 +154,9 @@ all_gather_single = all_gather_into_tensor
 reduce_scatter_single = reduce_scatter_tensor
 
 
-def barrier(group=None, async_op=False, device_ids=None):
+def barrier(group=None, async_op=False, device_ids=None, *, stream=0):
     """Returns once every rank of the group has entered the barrier."""
     pg = resolve(group)
-    return _issue(pg, OP_BARRIER, 0, 0, None, None, 0, 0, None, async_op)
+    if pg is None:
+        return None
+    return _issue(pg, OP_BARRIER, 0, 0, None, None, 0, 0, async_op, stream)

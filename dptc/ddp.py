@@ -20,7 +20,7 @@ from . import _C
 from .comm_hooks import COMM_BF16, COMM_FP16, COMM_PLAIN, native_mode
 from ._dtypes import dtype_code
 from .collectives import broadcast
-from .group import resolve
+from .group import get_rank, resolve
 
 __all__ = ["DistributedDataParallel", "DDP"]
 
@@ -112,7 +112,7 @@ def _broadcast_coalesced(tensors, group, src=0, names=None):
                 flat = torch.cat([tensor.reshape(-1) for tensor, _ in entries])
             else:
                 flat = torch.empty(sum(numels), dtype=dtype)
-            broadcast(flat, src, group=group)
+            broadcast(flat, group_src=src, group=group)
             if group.rank != src:
                 for (tensor, _), piece in zip(entries, flat.split(numels)):
                     tensor.copy_(piece.view_as(tensor))
@@ -134,9 +134,11 @@ class DistributedDataParallel(nn.Module):
     ``gradient_as_bucket_view``; ``broadcast_buffers``; ``static_graph`` (accepted, runs like
     the default path); ``no_sync()`` and ``require_backward_grad_sync``; ``register_comm_hook``
     with the all-reduce, fp16 and bf16 compression hooks (see dptc.comm_hooks).
+    ``process_group`` may be any group dptc accepts (a dptc or torch group, a DeviceMesh
+    dimension), or ``device_mesh`` a one-dimensional mesh.
     Not supported, with an error saying so: ``device_ids`` (GPU modules),
     ``delay_all_reduce_named_params``/``param_to_hook_all_reduce``, ``mixed_precision`` (use
-    torch.autocast), ``device_mesh`` (pass its group as process_group), arbitrary comm hooks.
+    torch.autocast), arbitrary comm hooks.
     """
 
     def __init__(self, module, device_ids=None, output_device=None, dim=0,
@@ -160,7 +162,13 @@ class DistributedDataParallel(nn.Module):
             broadcast_buffers = forward_sync_buffers
 
         self.module = module
-        self.process_group = resolve(process_group, "process_group")
+        group = device_mesh if device_mesh is not None else process_group
+        self.process_group = resolve(group, "device_mesh" if device_mesh is not None
+                                     else "process_group")
+        if self.process_group is None:
+            raise ValueError(f"this rank ({get_rank()}) is not a member of the process_group "
+                             f"passed to DistributedDataParallel; only its members may wrap a "
+                             f"module with it")
         self.dim = dim
         self.broadcast_buffers = bool(broadcast_buffers)
         self.find_unused_parameters = bool(find_unused_parameters)
@@ -318,7 +326,7 @@ class DistributedDataParallel(nn.Module):
         order = observed + [i for i in reversed(range(len(self._params))) if i not in seen]
         if self.process_group.size > 1:
             shared = torch.tensor(order, dtype=torch.int64)
-            broadcast(shared, 0, group=self.process_group)
+            broadcast(shared, group_src=0, group=self.process_group)
             order = shared.tolist()
         if self._install_buckets(order):
             logger.info("DistributedDataParallel buckets rebuilt from the first backward's "
@@ -418,10 +426,12 @@ def _check_unsupported(delay_all_reduce_named_params, param_to_hook_all_reduce,
             "torch.autocast instead (the gradients stay in the parameters' dtype)")
     if process_group is not None and device_mesh is not None:
         raise RuntimeError("Cannot specify both process_group and device_mesh arguments.")
-    if device_mesh is not None:
-        raise NotImplementedError(
-            "device_mesh is not supported by dptc's DistributedDataParallel; pass "
-            "process_group=None (the default group) instead")
+    if device_mesh is not None and not hasattr(device_mesh, "get_group"):
+        raise TypeError(f"device_mesh must be a torch DeviceMesh, got "
+                        f"{type(device_mesh).__name__}")
+    if device_mesh is not None and device_mesh.ndim != 1:
+        raise ValueError(f"device_mesh must be one-dimensional for DistributedDataParallel, "
+                         f"got {device_mesh.ndim} dimensions; pass mesh[dim_name] instead")
 
 
 def _check_devices(params, names, device_ids, output_device):

@@ -1,12 +1,16 @@
 """Process groups: who the ranks are, where they live, and dptc's engine for them.
 
-The shape comes from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK,
-LOCAL_WORLD_SIZE, GROUP_RANK) or from an already initialised
-``torch.distributed`` default group, whose store dptc reuses for its own
-bootstrap.  Nodes are told apart by torchrun's node index (GROUP_RANK), not by
-host name, so two torchrun invocations with ``--nnodes=2`` on one host are two
-nodes.  Between nodes dptc hands its cross-node step to gloo through
-``torch.distributed``.
+The world's shape comes from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK,
+LOCAL_WORLD_SIZE, GROUP_RANK) or from an already initialised ``torch.distributed`` default
+group, whose store dptc reuses for its own bootstrap.  Nodes are told apart by torchrun's node
+index (GROUP_RANK), not by host name, so two torchrun invocations with ``--nnodes=2`` on one
+host are two nodes.
+
+A group is any set of ranks (see notes/DESIGN-engine.md): the world, ``new_group(ranks)``, a
+torch group made with ``torch.distributed.new_group`` or a ``DeviceMesh`` dimension.  Its
+members on one node share memory; a group that spans nodes hands its cross-node step to gloo,
+through gloo process groups that only its members build (``ProcessGroupGloo`` over the store),
+one per stream and local index.
 """
 
 import atexit
@@ -15,6 +19,9 @@ import logging
 import os
 import secrets
 import socket
+import threading
+import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -23,53 +30,74 @@ from . import _C
 from ._dtypes import element_size, torch_dtype, torch_reduce_op
 
 __all__ = ["ProcessGroup", "init_process_group", "destroy_process_group", "is_initialized",
-           "get_rank", "get_world_size", "default_group", "resolve"]
+           "new_group", "get_rank", "get_world_size", "default_group", "resolve"]
 
 logger = logging.getLogger("dptc")
 
 DEFAULT_TIMEOUT_S = 300.0
-BRIDGE_CHECK = 3  # csrc/transport.h, DPTC_BRIDGE_CHECK
+DEFAULT_STREAMS = 2
+BRIDGE_CHECK = 3        # csrc/bridge.h, DPTC_BRIDGE_CHECK
 _OP_NAMES = {0: "all_reduce", 1: "broadcast", 2: "all_gather_into_tensor",
-             3: "reduce_scatter_tensor", 4: "barrier"}
-# Staging bytes per rank and buffer in the shared segment (two buffers per rank).
+             3: "reduce_scatter_tensor", 4: "barrier", 5: "share"}
+# Staging bytes per rank, stream and buffer in the shared segment (two buffers each).
 DEFAULT_SLOT_BYTES = 1 << 20
+# How often a cross-node wait looks for an abort of the group elsewhere.
+ABORT_POLL_S = 0.1
 
 _default = None
 _generation = 0
 _owns_torch_group = False
+_world_nodes = None        # node index of every global rank
+_new_groups = 0            # dptc.new_group calls so far (names their store prefixes)
+_local_groups = {}         # members -> new_group(use_local_synchronization=True) calls
+_mapped = {}               # torch group name -> ProcessGroup (see resolve)
+_groups = weakref.WeakSet()
 
 
 class ProcessGroup:
     """A set of ranks and the C engine that moves their bytes.
 
-    rank/size are within the group; local_rank/local_size within this node;
-    node/nnodes index the nodes.  ``torch_group`` is the matching
-    ``torch.distributed`` group (gloo), used across nodes and as a reference.
+    ``ranks`` are the members' global ranks, sorted; rank/size are within the group;
+    local_rank/local_size count the members on this node; node/nnodes index the nodes the
+    group spans.  ``num_streams`` independent ordered streams carry its work (collectives take
+    ``stream=``).  ``torch_group`` is a matching ``torch.distributed`` group when one exists.
     """
 
-    def __init__(self, *, rank, size, local_rank, local_size, node, nnodes, timeout,
-                 engine, torch_group, cross_groups):
+    def __init__(self, *, ranks, rank, local_rank, local_size, node, nnodes, timeout, engine,
+                 torch_group, store, num_streams):
+        self.ranks = list(ranks)
         self.rank = rank
-        self.size = size
+        self.size = len(self.ranks)
         self.local_rank = local_rank
         self.local_size = local_size
         self.node = node
         self.nnodes = nnodes
         self.timeout = timeout
+        self.num_streams = num_streams
         self._c = engine
         self.torch_group = torch_group
-        self._cross_groups = cross_groups
+        self._store = store
+        _groups.add(self)
 
     def __repr__(self):
-        return (f"dptc.ProcessGroup(rank={self.rank}, size={self.size}, node={self.node}/"
-                f"{self.nnodes}, local_rank={self.local_rank}/{self.local_size})")
+        return (f"dptc.ProcessGroup(ranks={self.ranks}, rank={self.rank}, size={self.size}, "
+                f"node={self.node}/{self.nnodes}, local_rank={self.local_rank}/"
+                f"{self.local_size})")
+
+    def group_rank(self, global_rank, argname="src"):
+        """This group's rank of a global rank; ValueError when it is not a member."""
+        try:
+            return self.ranks.index(global_rank)
+        except ValueError:
+            raise ValueError(f"{argname}={global_rank!r} is not a rank of this group (global "
+                             f"ranks {self.ranks})") from None
 
     def empty_shared(self, numel, dtype):
         """A zero-filled 1-D tensor in memory every local rank of the group maps.
 
         Collective: every rank calls it in the same order with the same numel and dtype.  An
         in-place all_reduce of a tensor at the same place of such a buffer on every rank moves
-        no staging copies (see [Note: shared buffers] in csrc/engine.h); DDP puts its gradient
+        no staging copies (see [Note: shared buffers] in csrc/shm.h); DDP puts its gradient
         buckets there.
         """
         nbytes = numel * element_size(dtype)
@@ -79,13 +107,16 @@ class ProcessGroup:
         return torch.frombuffer(buffer, dtype=dtype, count=numel)
 
     def abort(self, reason):
-        """Fails this group here and on every peer of this node (they raise at once)."""
+        """Fails this group here and on every peer (they raise at once)."""
         if not self._c.closed:
             self._c.abort(str(reason))
 
     def close(self):
         self._c.close()
 
+
+# ---------------------------------------------------------------------------------------------
+# Configuration
 
 def _timeout_seconds(timeout):
     if timeout is None:
@@ -102,6 +133,19 @@ def _timeout_seconds(timeout):
         raise ValueError(f"timeout must be a positive number of seconds or a timedelta, "
                          f"got {timeout!r}")
     return float(timeout)
+
+
+def _env_int(name, default, low, high):
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or not low <= value <= high:
+        raise ValueError(f"{name} must be an integer in [{low}, {high}], got {text!r}")
+    return value
 
 
 def _init_torch(timeout, explicit):
@@ -126,11 +170,11 @@ def _init_torch(timeout, explicit):
     _owns_torch_group = True
 
 
-def _node_layout(store, rank, size):
-    """Returns (node, nnodes, local_rank, local_size) agreed by every rank.
+def _world_layout(store, rank, size):
+    """The node index of every global rank, agreed by every rank.
 
-    A rank's node key is torchrun's node index (GROUP_RANK) when set, else its
-    host name.  Nodes are numbered by their lowest rank.
+    A rank's node key is torchrun's node index (GROUP_RANK) when set, else its host name.
+    Nodes are numbered by their lowest rank.
     """
     key = os.environ.get("GROUP_RANK")
     key = f"node{key}" if key is not None else f"host:{socket.gethostname()}"
@@ -140,49 +184,96 @@ def _node_layout(store, rank, size):
     for k in keys:
         if k not in order:
             order.append(k)
-    node = order.index(key)
-    members = [r for r in range(size) if keys[r] == key]
-    local_rank = members.index(rank)
-    local_size = len(members)
-    nnodes = len(order)
-    sizes = {keys.count(k) for k in order}
-    contiguous = all(keys[r] == order[r // local_size] for r in range(size)) if len(sizes) == 1 \
-        else False
-    if not contiguous:
-        raise ValueError(
-            f"dptc needs the same number of ranks on every node with ranks numbered node by "
-            f"node (rank = node * local_size + local_rank); got node keys {keys}. Launch with "
-            f"torchrun and the same --nproc_per_node on every node")
+    nodes = [order.index(k) for k in keys]
+    local_rank = [r for r in range(size) if nodes[r] == nodes[rank]].index(rank)
     env_local = os.environ.get("LOCAL_RANK")
     if env_local is not None and int(env_local) != local_rank:
         raise ValueError(f"LOCAL_RANK={env_local} disagrees with the layout dptc derived "
-                         f"(local rank {local_rank} of node {node}); launch with torchrun")
-    return node, nnodes, local_rank, local_size
+                         f"(local rank {local_rank} of node {nodes[rank]}); launch with torchrun")
+    return nodes
 
 
-def _make_bridge(engine, local_rank, local_size, nnodes, cross_group):
-    """The cross-node step: gloo on byte ranges of this rank's staging slots."""
-    slot = torch.frombuffer(engine.slot(local_rank), dtype=torch.uint8)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+def _group_layout(ranks, me):
+    """(rank, node, nnodes, local_rank, local_size) of global rank `me` in the group `ranks`.
 
-    def rank(node):
-        return node * local_size + local_rank
+    The engine numbers a group's ranks node by node with the same number of members on every
+    node (csrc/engine.h); sorted ranks of a node-major world are numbered that way whenever
+    every node holds as many members.
+    """
+    nodes = []
+    for r in ranks:
+        if _world_nodes[r] not in nodes:
+            nodes.append(_world_nodes[r])
+    counts = [sum(1 for r in ranks if _world_nodes[r] == n) for n in nodes]
+    local_size = counts[0]
+    even = len(set(counts)) == 1 and all(
+        _world_nodes[r] == nodes[i // local_size] for i, r in enumerate(ranks))
+    if not even:
+        raise NotImplementedError(
+            f"dptc groups that span nodes need the same number of members on every node, "
+            f"numbered node by node; ranks {ranks} have {dict(zip(nodes, counts))} members per "
+            f"node. Use groups within one node, or with as many members on every node")
+    rank = ranks.index(me)
+    return rank, rank // local_size, len(nodes), rank % local_size, local_size
+
+
+# ---------------------------------------------------------------------------------------------
+# The cross-node bridge
+
+def _cross_group(store, stream, local_rank, node, nnodes, timeout):
+    """The gloo group of the members with my local index on every node, for one stream: only
+    they build it, through the group's store."""
+    prefix = dist.PrefixStore(f"cross/{stream}/{local_rank}/", store)
+    return dist.ProcessGroupGloo(prefix, node, nnodes, datetime.timedelta(seconds=timeout))
+
+
+def _wait_bridged(work, engine, store, what):
+    """Waits for a gloo work, and gives up when the group failed here or a member elsewhere
+    wrote the abort key (see _watch_failure); a gloo op whose peer aborted would wait for
+    gloo's timeout otherwise."""
+    from . import PeerLostError
+
+    poll = datetime.timedelta(seconds=ABORT_POLL_S)
+    while True:
+        try:
+            work.wait(poll)
+            return
+        except RuntimeError:
+            if work.is_completed():
+                raise  # the op itself failed (a peer's connection closed, ...)
+        failure = engine.failure()
+        if failure is not None:
+            raise PeerLostError(f"{what} stopped: {failure}")
+        if store.check(["abort"]):
+            raise PeerLostError(f"{what} stopped: a member on another node failed: "
+                                f"{store.get('abort').decode(errors='replace')}")
+
+
+def _make_bridge(engine, store, stream, local_rank, local_size, nnodes, cross, ranks):
+    """The cross-node step of one stream: gloo on byte ranges of this rank's staging slots."""
+    slot = torch.frombuffer(engine.slot(stream, local_rank), dtype=torch.uint8)
+
+    def global_rank(node):
+        return ranks[node * local_size + local_rank]
+
+    def wait(work, what):
+        _wait_bridged(work, engine, store, what)
 
     def check(collective, dtype, redop, count, seq, root, text):
         mine = torch.tensor([collective, dtype, redop, count, seq, root], dtype=torch.int64)
         every = torch.empty(nnodes * mine.numel(), dtype=torch.int64)
-        gather(every, mine, group=cross_group)
+        wait(cross._allgather_base(every, mine), "the cross-node order check")
         every = every.view(nnodes, mine.numel())
         for node in range(nnodes):
             if not torch.equal(every[node], mine):
                 c, d, r, n, q, root_ = every[node].tolist()
                 dtype_name = str(torch_dtype(d)).replace("torch.", "") if 0 <= d < 9 else d
                 theirs = (f"{_OP_NAMES.get(c, c)}({dtype_name}, count={n}, op code {r}, "
-                          f"root {root_}) (collective #{q})")
+                          f"root {root_}) (collective #{q} of stream {stream})")
                 me = [n_ for n_ in range(nnodes) if torch.equal(every[n_], mine)][0]
-                return (f"collective mismatch: global rank {rank(me)} issued {text} but global "
-                        f"rank {rank(node)} issued {theirs}; every rank must issue the same "
-                        f"collectives in the same order")
+                return (f"collective mismatch: global rank {global_rank(me)} issued {text} but "
+                        f"global rank {global_rank(node)} issued {theirs}; every rank must "
+                        f"issue the same collectives in the same order")
         return None
 
     def bridge(op, dtype, redop, offset, offset2=0, count=0, root=0, text=None):
@@ -192,53 +283,100 @@ def _make_bridge(engine, local_rank, local_size, nnodes, cross_group):
         nbytes = count * element_size(dt)
         view = slot[offset:offset + nbytes].view(dt)
         if op == 0:
-            dist.all_reduce(view, op=torch_reduce_op(redop), group=cross_group)
+            options = dist.AllreduceOptions()
+            options.reduceOp = torch_reduce_op(redop)
+            wait(cross.allreduce([view], options), "a cross-node all_reduce")
         elif op == 1:
-            dist.broadcast(view, src=root * local_size + local_rank, group=cross_group)
+            options = dist.BroadcastOptions()
+            options.rootRank = root
+            wait(cross.broadcast([view], options), "a cross-node broadcast")
         elif op == 2:
             out = slot[offset2:offset2 + nnodes * nbytes].view(dt)
-            gather(out, view, group=cross_group)
+            wait(cross._allgather_base(out, view), "a cross-node all_gather")
+        elif op == 4:
+            source = slot[offset:offset + nnodes * nbytes].view(dt)
+            out = slot[offset2:offset2 + nnodes * nbytes].view(dt)
+            wait(cross.alltoall_base(out, source, [], [], dist.AllToAllOptions()),
+                 "a cross-node all_to_all")
         else:
             raise ValueError(f"unknown bridge operation {op}")
 
     return bridge
 
 
-def _open_engine(store, *, rank, size, node, nnodes, local_rank, local_size, timeout,
-                 cross_group):
-    """Creates this node's shared segment and the C engine over it.
+def _watch_failure(engine, store):
+    """Writes the group's first failure under the store's "abort" key, so that members on
+    other nodes stop waiting in gloo within ABORT_POLL_S (see _wait_bridged)."""
+    while not engine.closed:
+        time.sleep(ABORT_POLL_S)
+        if engine.closed:
+            return
+        failure = engine.failure()
+        if failure is not None:
+            try:
+                store.compare_set("abort", "", failure)
+            except Exception:  # noqa: BLE001 - the store may be gone with the job
+                pass
+            return
 
-    See [Note: shared segment layout] in csrc/shm.c: the segment is unlinked as
-    soon as every local rank has mapped it, and on every failure path.
+
+# ---------------------------------------------------------------------------------------------
+# Building a group
+
+def _open_engine(store, ranks, me, timeout, num_streams):
+    """Creates this node's shared segment for the group `ranks` and the C engine over it.
+
+    Only members call it; they meet through `store`, a prefix of the job's store unique to the
+    group.  See [Note: segments] in csrc/shm.c: the segment is unlinked as soon as every local
+    member has mapped it, and on every failure path.
     """
+    rank, node, nnodes, local_rank, local_size = _group_layout(ranks, me)
     if rank == 0:
         store.set("token", secrets.token_hex(12))
     token = store.get("token").decode()
     name = f"/dptc-{token}-n{node}"
-    slot_bytes = int(os.environ.get("DPTC_SLOT_BYTES", DEFAULT_SLOT_BYTES))
+    slot_bytes = _env_int("DPTC_SLOT_BYTES", DEFAULT_SLOT_BYTES, 1, 1 << 40)
+    delta = datetime.timedelta(seconds=timeout)
     engine = None
     try:
         if local_rank != 0:
-            store.wait([f"created/{node}"], datetime.timedelta(seconds=timeout))
-        engine = _C.Group(rank, size, local_rank, local_size, node, nnodes, name,
-                          local_rank == 0, slot_bytes, timeout)
+            store.wait([f"created/{node}"], delta)
+            name = store.get(f"created/{node}").decode()
+        engine = _C.Group(rank, len(ranks), local_rank, local_size, node, nnodes, name,
+                          local_rank == 0, slot_bytes, timeout, num_streams, list(ranks))
         if local_rank == 0:
-            store.set(f"created/{node}", "1")
+            store.set(f"created/{node}", engine.segment_path() or name)
         store.set(f"mapped/{node}/{local_rank}", "1")
-        store.wait([f"mapped/{node}/{r}" for r in range(local_size)],
-                   datetime.timedelta(seconds=timeout))
+        store.wait([f"mapped/{node}/{r}" for r in range(local_size)], delta)
+        engine.unlink()
         if nnodes > 1:
-            engine.set_bridge(_make_bridge(engine, local_rank, local_size, nnodes, cross_group))
+            for stream in range(num_streams):
+                cross = _cross_group(store, stream, local_rank, node, nnodes, timeout)
+                engine.set_bridge(stream, _make_bridge(engine, store, stream, local_rank,
+                                                       local_size, nnodes, cross, ranks))
+            threading.Thread(target=_watch_failure, args=(engine, store),
+                             name="dptc-abort-watch", daemon=True).start()
     except BaseException:
         if engine is not None:
+            engine.unlink()
             engine.close()
+        elif local_rank == 0 and not name.startswith("/proc/"):
+            try:
+                os.unlink("/dev/shm" + name)
+            except FileNotFoundError:
+                pass
         raise
-    finally:
-        try:
-            os.unlink("/dev/shm" + name)
-        except FileNotFoundError:
-            pass
-    return engine
+    return engine, (rank, node, nnodes, local_rank, local_size)
+
+
+def _make_group(store, ranks, timeout, torch_group):
+    me = dist.get_rank()
+    num_streams = _env_int("DPTC_STREAMS", DEFAULT_STREAMS, 1, 4)
+    engine, (rank, node, nnodes, local_rank, local_size) = _open_engine(
+        store, ranks, me, timeout, num_streams)
+    return ProcessGroup(ranks=ranks, rank=rank, local_rank=local_rank, local_size=local_size,
+                        node=node, nnodes=nnodes, timeout=timeout, engine=engine,
+                        torch_group=torch_group, store=store, num_streams=num_streams)
 
 
 def init_process_group(backend=None, init_method=None, timeout=None, world_size=-1, rank=-1,
@@ -250,7 +388,7 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
     torch.distributed group it builds on).  ``timeout`` (seconds or timedelta;
     default $DPTC_TIMEOUT or 300 s) bounds every wait.
     """
-    global _default, _generation
+    global _default, _generation, _world_nodes
     if _default is not None:
         return _default
     if backend not in (None, "dptc", "gloo", "cpu:gloo"):
@@ -266,22 +404,59 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
     base_store = dist.distributed_c10d._get_default_store()
     _generation += 1
     prefix_store = dist.PrefixStore(f"dptc/{_generation}/", base_store)
-    node, nnodes, local_rank, local_size = _node_layout(prefix_store, rank, size)
-    cross_groups = []
-    if nnodes > 1:
-        for index in range(local_size):
-            cross_groups.append(dist.new_group(
-                [n * local_size + index for n in range(nnodes)], backend="gloo",
-                timeout=datetime.timedelta(seconds=seconds)))
-    engine = _open_engine(prefix_store, rank=rank, size=size, node=node, nnodes=nnodes,
-                          local_rank=local_rank, local_size=local_size, timeout=seconds,
-                          cross_group=cross_groups[local_rank] if cross_groups else None)
-    _default = ProcessGroup(rank=rank, size=size, local_rank=local_rank, local_size=local_size,
-                            node=node, nnodes=nnodes, timeout=seconds, engine=engine,
-                            torch_group=dist.group.WORLD, cross_groups=cross_groups)
+    _world_nodes = _world_layout(prefix_store, rank, size)
+    try:
+        _default = _make_group(dist.PrefixStore("world/", prefix_store), list(range(size)),
+                               seconds, dist.group.WORLD)
+    except NotImplementedError:
+        raise ValueError(
+            f"dptc needs the same number of ranks on every node with ranks numbered node by "
+            f"node (rank = node * local_size + local_rank); got nodes {_world_nodes}. Launch "
+            f"with torchrun and the same --nproc_per_node on every node") from None
+    _default._prefix_store = prefix_store
     logger.info("dptc process group: rank %d of %d, node %d of %d, local rank %d of %d",
-                rank, size, node, nnodes, local_rank, local_size)
+                rank, size, _default.node, _default.nnodes, _default.local_rank,
+                _default.local_size)
     return _default
+
+
+def new_group(ranks=None, timeout=None, backend=None, pg_options=None,
+              use_local_synchronization=False, group_desc=None, device_id=None):
+    """A group of the given global ranks, with torch.distributed.new_group's semantics.
+
+    Every rank of the default group calls it, in the same order (with
+    ``use_local_synchronization=True``, only the members).  Members get a dptc ProcessGroup;
+    the others get ``torch.distributed.GroupMember.NON_GROUP_MEMBER``.  ``backend``,
+    ``pg_options`` and ``device_id`` are accepted for compatibility; dptc's engine carries the
+    group either way.
+    """
+    global _new_groups
+    world = default_group()
+    if backend not in (None, "dptc", "gloo", "cpu:gloo"):
+        raise ValueError(f"backend must be None, 'dptc' or 'gloo', got {backend!r}")
+    members = list(range(world.size)) if ranks is None else sorted(ranks)
+    if len(set(members)) != len(members):
+        raise ValueError(f"ranks must not repeat a rank, got {ranks}")
+    for r in members:
+        if not isinstance(r, int) or not 0 <= r < world.size:
+            raise ValueError(f"ranks must hold global ranks in [0, {world.size}), got {ranks}")
+    if not members:
+        raise ValueError("ranks must name at least one rank")
+    seconds = _timeout_seconds(timeout if timeout is not None else world.timeout)
+    if use_local_synchronization:
+        key = tuple(members)
+        _local_groups[key] = _local_groups.get(key, 0) + 1
+        tag = "local/" + "_".join(map(str, members)) + f"/{_local_groups[key]}"
+    else:
+        _new_groups += 1
+        tag = f"group/{_new_groups}"
+    if world.rank not in members:
+        return dist.GroupMember.NON_GROUP_MEMBER
+    _group_layout(members, world.rank)  # refuse what the engine cannot carry, on every member
+    store = dist.PrefixStore(tag + "/", world._prefix_store)
+    group = _make_group(store, members, seconds, None)
+    logger.info("dptc group %s: rank %d of %d", members, group.rank, group.size)
+    return group
 
 
 def is_initialized():
@@ -293,27 +468,65 @@ def default_group():
     return _default if _default is not None else init_process_group()
 
 
+def _from_torch(group, argname):
+    """The dptc group over the same ranks as a torch ProcessGroup, built on its first use by
+    its members (they meet under the torch group's name, the same on every member)."""
+    world = default_group()
+    if dist.get_world_size(group) == world.size:
+        return world
+    name = group.group_name
+    pg = _mapped.get(name)
+    if pg is None or pg._c.closed:
+        members = sorted(dist.get_process_group_ranks(group))
+        store = dist.PrefixStore(f"torch/{name}/", world._prefix_store)
+        pg = _make_group(store, members, world.timeout, group)
+        _mapped[name] = pg
+    return pg
+
+
 def resolve(group, argname="group"):
-    """Maps None, a dptc ProcessGroup or torch's default group to a ProcessGroup."""
-    if group is None or isinstance(group, ProcessGroup):
-        return default_group() if group is None else group
-    if dist.is_initialized() and isinstance(group, dist.ProcessGroup) \
-            and dist.get_world_size(group) == dist.get_world_size():
+    """Maps what torch accepts as a group to a dptc ProcessGroup, or None for a non-member.
+
+    None means the default group; also accepted: a dptc ProcessGroup, a torch ProcessGroup
+    (from torch.distributed.new_group, or a DeviceMesh dimension's get_group()), and a
+    one-dimensional DeviceMesh.
+    """
+    if group is None:
         return default_group()
-    raise TypeError(f"{argname} must be None, a dptc.ProcessGroup or torch's default group, "
-                    f"got {group!r}; subgroups are not supported yet: use the default group")
+    if isinstance(group, ProcessGroup):
+        if group._c.closed:
+            raise ValueError(f"{argname} was destroyed; create a new group")
+        return group
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        return None
+    mesh_type = getattr(getattr(dist, "device_mesh", None), "DeviceMesh", None)
+    if mesh_type is not None and isinstance(group, mesh_type):
+        if group.ndim != 1:
+            raise ValueError(f"{argname} is a {group.ndim}-D DeviceMesh; pass one dimension's "
+                             f"group, mesh.get_group(dim)")
+        group = group.get_group()
+    if dist.is_initialized() and isinstance(group, dist.ProcessGroup):
+        if dist.get_rank() not in dist.get_process_group_ranks(group):
+            return None
+        return _from_torch(group, argname)
+    raise TypeError(f"{argname} must be None, a dptc.ProcessGroup, a torch.distributed "
+                    f"ProcessGroup or a 1-D DeviceMesh, got {type(group).__name__}")
 
 
 def get_rank(group=None):
-    return resolve(group).rank
+    """This rank in `group` (the default group when None); -1 when it is not a member."""
+    pg = resolve(group)
+    return -1 if pg is None else pg.rank
 
 
 def get_world_size(group=None):
-    return resolve(group).size
+    """Ranks in `group`; -1 when this rank is not a member (as torch)."""
+    pg = resolve(group)
+    return -1 if pg is None else pg.size
 
 
 def destroy_process_group(group=None):
-    """Stops dptc's engine and removes its shared memory.
+    """Stops dptc's engine and releases its shared memory: of `group`, or of every group.
 
     A torch.distributed group that dptc initialised itself stays up, so that a later
     init_process_group reuses it, and is torn down at exit: tearing it down here would make
@@ -322,11 +535,15 @@ def destroy_process_group(group=None):
     """
     global _default
     if group is not None and group is not _default:
-        resolve(group).close()
+        pg = resolve(group)
+        if pg is not None:
+            pg.close()
         return
     if _default is None:
         return
-    _default.close()
+    for pg in list(_groups):
+        pg.close()
+    _mapped.clear()
     _default = None
 
 

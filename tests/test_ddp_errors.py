@@ -79,7 +79,7 @@ def test_constructor_validation():
         "mixed_precision": ("NotImplementedError", "torch.autocast"),
         "delay_all_reduce_alone": ("ValueError", "set at the same time"),
         "delay_all_reduce": ("NotImplementedError", "delay_all_reduce_named_params"),
-        "device_mesh": ("NotImplementedError", "device_mesh"),
+        "device_mesh": ("TypeError", "device_mesh"),
         "process_group_and_device_mesh": ("RuntimeError", "process_group and device_mesh"),
         "bad_process_group": ("TypeError", "process_group"),
         "no_trainable_parameters": ("RuntimeError", "doesn't have any parameter"),

@@ -1,5 +1,6 @@
 """The reduction kernels of csrc/reduce.c, checked in C with no torch and no
-process group: tests/c/test_reduce.c is built with reduce.c alone and run.
+process group: tests/c/test_reduce.c is built with reduce.c and common.c
+(dptc_fail, dtype names) alone and run.
 
 It compares every dtype and op (AVG as SUM scaled by 1/n), 1 to 4 sources,
 counts 0 to 100003, in place and out of place, against references computed
@@ -15,9 +16,10 @@ import subprocess
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-SOURCES = [ROOT / "tests" / "c" / "test_reduce.c", ROOT / "csrc" / "reduce.c"]
-# The extension's own warning flags.
-WARNINGS = ["-std=c11", "-Wall", "-Wextra", "-Werror"]
+SOURCES = [ROOT / "tests" / "c" / "test_reduce.c", ROOT / "csrc" / "reduce.c",
+           ROOT / "csrc" / "common.c"]
+# The extension's own warning flags and feature macro (setup.py).
+WARNINGS = ["-std=c11", "-Wall", "-Wextra", "-Werror", "-D_GNU_SOURCE"]
 SANITIZERS = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all"]
 SANITIZED = ["-O1", "-g", "-fno-omit-frame-pointer", *SANITIZERS]
 # "portable" builds only the baseline kernels, which other machines run

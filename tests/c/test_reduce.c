@@ -1,7 +1,8 @@
 /* test_reduce.c — dptc_reduce and dptc_scale against references computed
- * in double precision.
+ * in double precision, and the refusals of all three entry points.
  *
- * Built from this file and csrc/reduce.c alone, and run, by
+ * Built from this file, csrc/reduce.c and csrc/common.c (for dptc_fail and
+ * the dtype names) alone, and run, by
  * tests/test_reduce_kernels.py.  Exits 0 when every check passes; prints the
  * first failures in full and a summary otherwise.
  *
@@ -490,10 +491,11 @@ static void run_reduce_case(const reduce_case *c, const layout *l)
     }
     char what[160];
     describe(what, sizeof what, &r, c->count, l->name);
+    dptc_error err = {""};
     dptc_status status = dptc_reduce(dst, srcs, l->nsrc, c->count, c->dtype,
-                                     c->op, c->scale);
+                                     c->op, c->scale, &err);
     if (status != DPTC_OK)
-        report(what, "returned status %d", (int)status);
+        report(what, "returned status %d: %s", (int)status, err.message);
     else
         check_elements(what, &r, dst, c->count);
     check_buffers(what, buffers, originals, nbuffers, dst, bytes);
@@ -580,7 +582,8 @@ static void test_half_round_trip(dptc_dtype dtype)
     for (size_t i = 0; i < 65536; i++)
         in[i] = (uint16_t)i;
     const void *srcs[1] = {in};
-    dptc_status status = dptc_reduce(out, srcs, 1, 65536, dtype, DPTC_SUM, 1.0);
+    dptc_status status = dptc_reduce(out, srcs, 1, 65536, dtype, DPTC_SUM, 1.0,
+                                     NULL);
     if (status != DPTC_OK)
         report(dtypes[dtype].name, "round trip returned status %d",
                (int)status);
@@ -607,7 +610,7 @@ static void test_half_scale(dptc_dtype dtype)
         patterns[i] = (uint16_t)i;
     for (size_t s = 0; s < sizeof scales / sizeof scales[0]; s++) {
         memcpy(buf, patterns, sizeof buf);
-        dptc_status status = dptc_scale(buf, 65536, dtype, scales[s]);
+        dptc_status status = dptc_scale(buf, 65536, dtype, scales[s], NULL);
         if (status != DPTC_OK)
             report(dtypes[dtype].name, "dptc_scale returned status %d",
                    (int)status);
@@ -635,7 +638,7 @@ static void test_float_scale(dptc_dtype dtype)
     fill_random(dtype, original, count);
     memcpy(buf, original, bytes);
     reduction r = {dtype, DPTC_SUM, 0.37, 1, {original}};
-    dptc_status status = dptc_scale(buf, count, dtype, r.scale);
+    dptc_status status = dptc_scale(buf, count, dtype, r.scale, NULL);
     if (status != DPTC_OK)
         report(dtypes[dtype].name, "dptc_scale returned status %d",
                (int)status);
@@ -649,6 +652,17 @@ static void test_float_scale(dptc_dtype dtype)
 
 /* ---- arguments ---- */
 
+/* The error buffer of the call being checked, emptied by fresh_error() as
+ * that call's arguments are evaluated, so that a message found afterwards
+ * can only have come from that call. */
+static dptc_error last_error;
+
+static dptc_error *fresh_error(void)
+{
+    last_error.message[0] = '\0';
+    return &last_error;
+}
+
 static void expect_status(const char *what, dptc_status got,
                           dptc_status expected)
 {
@@ -656,48 +670,131 @@ static void expect_status(const char *what, dptc_status got,
         report(what, "returned %d, expected %d", (int)got, (int)expected);
 }
 
-static void test_invalid_arguments(void)
+/* A refusal: DPTC_ERR_INVALID, with a message in last_error that contains
+ * each of the given words (NULL ends the list). */
+static void expect_refusal(const char *what, dptc_status got, ...)
+{
+    expect_status(what, got, DPTC_ERR_INVALID);
+    if (last_error.message[0] == '\0') {
+        report(what, "refused without a message");
+        return;
+    }
+    va_list words;
+    va_start(words, got);
+    for (const char *word = va_arg(words, const char *); word != NULL;
+         word = va_arg(words, const char *)) {
+        if (strstr(last_error.message, word) == NULL)
+            report(what, "message \"%s\" does not name \"%s\"",
+                   last_error.message, word);
+    }
+    va_end(words);
+}
+
+static void test_invalid_reduce(void)
 {
     float a[4] = {1, 2, 3, 4}, b[4] = {1, 2, 3, 4};
     int32_t ints[4] = {1, 2, 3, 4};
     const void *srcs[2] = {a, b};
     const void *int_srcs[1] = {ints};
     const void *null_srcs[2] = {a, NULL};
-    expect_status("AVG", dptc_reduce(a, srcs, 2, 4, DPTC_FLOAT32, DPTC_AVG,
-                                     0.5), DPTC_ERR_INVALID);
-    expect_status("op out of range", dptc_reduce(a, srcs, 2, 4, DPTC_FLOAT32,
-                                                 DPTC_REDOP_COUNT, 1.0),
-                  DPTC_ERR_INVALID);
-    expect_status("dtype out of range",
-                  dptc_reduce(a, srcs, 2, 4, DPTC_DTYPE_COUNT, DPTC_SUM, 1.0),
-                  DPTC_ERR_INVALID);
-    expect_status("nsrc 0", dptc_reduce(a, srcs, 0, 4, DPTC_FLOAT32, DPTC_SUM,
-                                        1.0), DPTC_ERR_INVALID);
-    expect_status("int scale", dptc_reduce(ints, int_srcs, 1, 4, DPTC_INT32,
-                                           DPTC_SUM, 0.5), DPTC_ERR_INVALID);
-    expect_status("bool scale", dptc_reduce(ints, int_srcs, 1, 4, DPTC_BOOL,
-                                            DPTC_SUM, 0.5), DPTC_ERR_INVALID);
-    expect_status("NULL source", dptc_reduce(a, null_srcs, 2, 4, DPTC_FLOAT32,
-                                             DPTC_SUM, 1.0), DPTC_ERR_INVALID);
-    expect_status("NULL dst", dptc_reduce(NULL, srcs, 2, 4, DPTC_FLOAT32,
-                                          DPTC_SUM, 1.0), DPTC_ERR_INVALID);
+    expect_refusal("AVG", dptc_reduce(a, srcs, 2, 4, DPTC_FLOAT32, DPTC_AVG,
+                                      0.5, fresh_error()),
+                   "AVG", "float32", NULL);
+    expect_refusal("op out of range",
+                   dptc_reduce(a, srcs, 2, 4, DPTC_FLOAT32, DPTC_REDOP_COUNT,
+                               1.0, fresh_error()),
+                   "float32", NULL);
+    expect_refusal("dtype out of range",
+                   dptc_reduce(a, srcs, 2, 4, DPTC_DTYPE_COUNT, DPTC_SUM, 1.0,
+                               fresh_error()),
+                   "dtype", NULL);
+    expect_refusal("nsrc 0", dptc_reduce(a, srcs, 0, 4, DPTC_FLOAT32,
+                                         DPTC_SUM, 1.0, fresh_error()),
+                   "float32", NULL);
+    expect_refusal("int scale", dptc_reduce(ints, int_srcs, 1, 4, DPTC_INT32,
+                                            DPTC_SUM, 0.5, fresh_error()),
+                   "int32", "SUM", "0.5", NULL);
+    expect_refusal("bool scale", dptc_reduce(ints, int_srcs, 1, 4, DPTC_BOOL,
+                                             DPTC_SUM, 0.5, fresh_error()),
+                   "bool", "0.5", NULL);
+    expect_refusal("NULL source",
+                   dptc_reduce(a, null_srcs, 2, 4, DPTC_FLOAT32, DPTC_SUM,
+                               1.0, fresh_error()),
+                   "float32", "NULL", NULL);
+    expect_refusal("NULL dst", dptc_reduce(NULL, srcs, 2, 4, DPTC_FLOAT32,
+                                           DPTC_SUM, 1.0, fresh_error()),
+                   "float32", "NULL", NULL);
     expect_status("count 0", dptc_reduce(NULL, null_srcs, 2, 0, DPTC_FLOAT32,
-                                         DPTC_SUM, 1.0), DPTC_OK);
-    expect_status("scale int32", dptc_scale(ints, 4, DPTC_INT32, 0.5),
+                                         DPTC_SUM, 1.0, NULL), DPTC_OK);
+    /* err may be NULL: the status alone comes back. */
+    expect_status("int scale, no error buffer",
+                  dptc_reduce(ints, int_srcs, 1, 4, DPTC_INT32, DPTC_SUM, 0.5,
+                              NULL),
                   DPTC_ERR_INVALID);
-    expect_status("scale bool", dptc_scale(ints, 4, DPTC_BOOL, 0.5),
+}
+
+static void test_invalid_scale(void)
+{
+    float a[4] = {1, 2, 3, 4};
+    int32_t ints[4] = {1, 2, 3, 4};
+    expect_refusal("scale int32",
+                   dptc_scale(ints, 4, DPTC_INT32, 0.5, fresh_error()),
+                   "int32", "0.5", NULL);
+    expect_refusal("scale bool",
+                   dptc_scale(ints, 4, DPTC_BOOL, 0.5, fresh_error()),
+                   "bool", NULL);
+    expect_refusal("scale dtype out of range",
+                   dptc_scale(a, 4, DPTC_DTYPE_COUNT, 0.5, fresh_error()),
+                   "dtype", NULL);
+    expect_refusal("scale NULL", dptc_scale(NULL, 4, DPTC_FLOAT32, 0.5,
+                                            fresh_error()),
+                   "float32", "NULL", NULL);
+    expect_status("scale int32, no error buffer",
+                  dptc_scale(ints, 4, DPTC_INT32, 0.5, NULL),
                   DPTC_ERR_INVALID);
-    expect_status("scale dtype out of range",
-                  dptc_scale(a, 4, DPTC_DTYPE_COUNT, 0.5), DPTC_ERR_INVALID);
-    expect_status("scale float32", dptc_scale(a, 4, DPTC_FLOAT32, 0.5),
-                  DPTC_OK);
+    expect_status("scale float32",
+                  dptc_scale(a, 4, DPTC_FLOAT32, 0.5, NULL), DPTC_OK);
     if (a[3] != 2.0f)
         report("scale float32", "a[3] = %g, expected 2", a[3]);
 }
 
+static void test_invalid_convert(void)
+{
+    int32_t ints[4] = {1, 2, 3, 4};
+    float floats[4] = {1, 2, 3, 4};
+    uint16_t halves[4] = {0};
+    double wide[4] = {0};
+    expect_refusal("convert int32 to bfloat16",
+                   dptc_convert(halves, DPTC_BFLOAT16, ints, DPTC_INT32, 4,
+                                fresh_error()),
+                   "int32", "bfloat16", NULL);
+    expect_refusal("convert float16 to int64",
+                   dptc_convert(ints, DPTC_INT64, halves, DPTC_FLOAT16, 2,
+                                fresh_error()),
+                   "float16", "int64", NULL);
+    expect_refusal("convert float32 to float64",
+                   dptc_convert(wide, DPTC_FLOAT64, floats, DPTC_FLOAT32, 4,
+                                fresh_error()),
+                   "float32", "float64", NULL);
+    expect_status("convert int32 to bfloat16, no error buffer",
+                  dptc_convert(halves, DPTC_BFLOAT16, ints, DPTC_INT32, 4,
+                               NULL),
+                  DPTC_ERR_INVALID);
+    expect_status("convert float32 to bfloat16",
+                  dptc_convert(halves, DPTC_BFLOAT16, floats, DPTC_FLOAT32, 4,
+                               NULL),
+                  DPTC_OK);
+    /* 4.0f is 0x40800000: its top half is the bfloat16. */
+    if (halves[3] != 0x4080)
+        report("convert float32 to bfloat16", "4.0 became %#x, expected 0x4080",
+               halves[3]);
+}
+
 int main(void)
 {
-    test_invalid_arguments();
+    test_invalid_reduce();
+    test_invalid_scale();
+    test_invalid_convert();
     test_half_round_trip(DPTC_BFLOAT16);
     test_half_round_trip(DPTC_FLOAT16);
     test_half_scale(DPTC_BFLOAT16);

@@ -1,0 +1,62 @@
+/* shm.h — the shared-memory transport between the ranks of one node, and
+ * what it offers beyond the transport table: shared buffers, the staging
+ * slots the bridge reads, and the cross-node bridge itself. */
+#ifndef DPTC_SHM_H
+#define DPTC_SHM_H
+
+#include "bridge.h"
+#include "transport.h"
+
+extern const dptc_transport_ops dptc_shm_transport;
+
+/* Attaches the cross-node step of one stream (the transport owns it).  Call
+ * before the stream's first collective, with nnodes > 1. */
+void dptc_shm_set_bridge(dptc_transport *t, int stream, dptc_bridge *bridge);
+/* Forgets the segment's name (closes the creator's descriptor, or removes
+ * the /dev/shm name); safe to call twice.  Once every local rank has mapped
+ * the segment, nothing of it is left for anyone else to find. */
+void dptc_shm_unlink(dptc_transport *t);
+/* The descriptor through which local peers open the segment (the creator's
+ * memfd; they open /proc/<pid>/fd/<fd>), or -1 for a /dev/shm name. */
+int dptc_shm_segment_fd(dptc_transport *t);
+/* The abort a local peer recorded (see [Note: abort record] in shm.c), as
+ * this rank would raise it; DPTC_OK while nobody aborted. */
+dptc_status dptc_shm_failure(dptc_transport *t, dptc_error *err);
+/* Base address and size of the staging slots of local rank `local` on
+ * `stream` (the bridge wraps these in tensors); NULL when out of range. */
+void *dptc_shm_slot(dptc_transport *t, int stream, int local, size_t *bytes);
+
+/* [Note: shared buffers]
+ * A shared buffer is memory every local rank maps: each rank creates a
+ * segment of the same size (collectively, in collective order, so the
+ * buffers of all ranks carry the same id) and maps its peers' segments
+ * too.  An all-reduce whose tensor lies in a shared buffer, in place and at
+ * the same offset on every rank, needs no staging: each rank reduces its
+ * part straight from its peers' memory and writes the result into every
+ * peer's buffer (shm.c, all_reduce_shared).  DDP allocates its gradient
+ * buckets this way; FSDP will gather into shared parameters.  The mappings
+ * belong to the dptc_shared (its owner unmaps them with
+ * dptc_shm_shared_free), so a buffer outlives the group that made it. */
+typedef struct {
+    uint64_t id;                          /* same on every local rank */
+    size_t bytes;
+    int local_rank, local_size;
+    unsigned char *base[DPTC_MAX_LOCAL];  /* every local rank's segment, mapped here */
+} dptc_shared;
+
+typedef struct {
+    size_t nbytes;
+    dptc_shared *out;
+} dptc_shm_share_request;
+
+/* A dptc_coll.call (op DPTC_OP_CALL) with a dptc_shm_share_request as its
+ * argument: collective over the local ranks; fills request->out, which the
+ * transport remembers until dptc_shm_unshare. */
+dptc_status dptc_shm_share(dptc_transport *t, const dptc_order *order, void *request,
+                           dptc_error *err);
+/* Forgets sh (collectives no longer route through it). */
+void dptc_shm_unshare(dptc_transport *t, dptc_shared *sh);
+/* Unmaps sh's segments.  After dptc_shm_unshare, or when the group is gone. */
+void dptc_shm_shared_free(dptc_shared *sh);
+
+#endif /* DPTC_SHM_H */
