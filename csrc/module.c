@@ -463,6 +463,11 @@ static int tensor_data(PyObject *tensor, void **out)
     *out = NULL;
     if (tensor == Py_None)
         return 0;
+    if (PyLong_Check(tensor)) {
+        PyErr_SetString(PyExc_TypeError, "expected a tensor, got an int: dptc takes tensors, "
+                                         "never raw addresses");
+        return -1;
+    }
     PyObject *ptr = PyObject_CallMethod(tensor, "data_ptr", NULL);
     if (!ptr)
         return -1;

@@ -20,7 +20,10 @@
  * work that uses it is in flight.  Every path that drops buckets
  * (set_buckets, clear, dealloc) first runs step_end, which waits for every
  * submitted work — the waits are bounded, because the error paths abort the
- * group first and an aborted group fails its works at once.  set_buckets is
+ * group first and an aborted group fails its works at once.  A work that
+ * has still not completed after its wait gave up (dptc_work_wait aborts the
+ * group, then allows it a grace period) keeps its bucket: step_end leaks the
+ * bucket's tensors instead of releasing them.  set_buckets is
  * refused while a backward is being reduced.  With
  * gradient_as_bucket_view=True a parameter's .grad *is* its view of the
  * bucket, so the tensor also lives as long as the user holds that .grad;
@@ -292,6 +295,29 @@ static dptc_status launch_ready_buckets(ReducerObject *r, int at_end, dptc_error
 /* ------------------------------------------------------------------ */
 /* The step */
 
+/* Work that did not complete even after its wait gave up and aborted the
+ * group may still write its bucket (a cross-node step blocked in gloo): the
+ * bucket's tensors and the used map are leaked rather than ever released
+ * (see [Note: memory of unfinished work] in module.c).  GIL held. */
+static void step_leak_unfinished(ReducerObject *r)
+{
+    for (Py_ssize_t i = 0; i < r->nbuckets; i++) {
+        bucket *b = &r->buckets[i];
+        if (!b->work)
+            continue;
+        dptc_leak(b->tensor);
+        dptc_leak(b->comm_tensor);
+        b->work = NULL;  /* its reference is leaked with it */
+    }
+    if (r->used_work) {
+        /* The old map stays with the work; the reducer gets a fresh one. */
+        uint8_t *fresh = PyMem_RawCalloc((size_t)r->nslots + 1, 1);
+        if (fresh)
+            r->used_map = fresh;
+        r->used_work = NULL;
+    }
+}
+
 /* Waits for every submitted work (without the GIL), releases them, and
  * clears the per-backward state; used by finalize and by every error path
  * (which abort the group first, so the waits end at once).  GIL held. */
@@ -306,18 +332,24 @@ static void step_end(ReducerObject *r)
         PyErr_Clear();
         Py_BEGIN_ALLOW_THREADS
         for (Py_ssize_t i = 0; i < r->nbuckets; i++) {
-            if (r->buckets[i].work) {
-                dptc_work_wait(r->buckets[i].work, timeout, NULL);
-                dptc_work_release(r->buckets[i].work);
-                r->buckets[i].work = NULL;
+            dptc_work *w = r->buckets[i].work;
+            if (w) {
+                dptc_work_wait(w, timeout, NULL);
+                if (dptc_work_is_completed(w)) {
+                    dptc_work_release(w);
+                    r->buckets[i].work = NULL;
+                }
             }
         }
         if (r->used_work) {
             dptc_work_wait(r->used_work, timeout, NULL);
-            dptc_work_release(r->used_work);
-            r->used_work = NULL;
+            if (dptc_work_is_completed(r->used_work)) {
+                dptc_work_release(r->used_work);
+                r->used_work = NULL;
+            }
         }
         Py_END_ALLOW_THREADS
+        step_leak_unfinished(r);
     }
     for (Py_ssize_t i = 0; i < r->nbuckets; i++) {
         r->buckets[i].pending = r->buckets[i].nmembers;
@@ -616,8 +648,10 @@ static dptc_status bucket_complete(ReducerObject *r, bucket *b, double timeout, 
 {
     if (b->work) {
         dptc_status status = dptc_work_wait(b->work, timeout, err);
-        dptc_work_release(b->work);
-        b->work = NULL;
+        if (dptc_work_is_completed(b->work)) {
+            dptc_work_release(b->work);
+            b->work = NULL;
+        } /* else step_end leaks the bucket (see [Note: gradient bucket lifetime]) */
         CHECK(status);
         if (b->comm_tensor)
             CHECK(dptc_convert(b->data, b->dtype, b->comm_data, b->comm_dtype, b->count, err));
@@ -642,16 +676,21 @@ static dptc_status wait_and_copy_back(ReducerObject *r, dptc_error *err)
     double timeout = dptc_group_timeout(g) * 2 + 1;
     dptc_status status = DPTC_OK;
     double start = dptc_now();
+    dptc_watch watch;
+    dptc_watch_signals(&watch);
     Py_BEGIN_ALLOW_THREADS
     if (r->used_work) {
         /* The map decides which copies happen; it was launched last. */
         status = dptc_work_wait(r->used_work, timeout, err);
-        dptc_work_release(r->used_work);
-        r->used_work = NULL;
+        if (dptc_work_is_completed(r->used_work)) {
+            dptc_work_release(r->used_work);
+            r->used_work = NULL;
+        }
     }
     for (Py_ssize_t i = 0; i < r->nbuckets && status == DPTC_OK; i++)
         status = bucket_complete(r, &r->buckets[i], timeout, err);
     Py_END_ALLOW_THREADS
+    dptc_unwatch_signals(&watch);
     r->wait_seconds += dptc_now() - start;
     return status;
 }
