@@ -12,6 +12,7 @@ import pathlib
 import re
 import shutil
 import subprocess
+import sysconfig
 
 import pytest
 
@@ -85,3 +86,25 @@ def test_reduce_kernels(build, tmp_path):
     assert run.returncode == 0, (
         f"test_reduce exited {run.returncode}\n{run.stdout}{run.stderr}")
     assert re.search(r", 0 failures$", run.stdout, re.MULTILINE), run.stdout
+
+
+# GH200 nodes are aarch64: every x86-only construct (target_clones, F16C,
+# pause) must sit behind an architecture test.  A cross compiler checks that
+# here without an arm machine.  pyconfig.h is this machine's, which a syntax
+# check tolerates.
+AARCH64_CC = "aarch64-linux-gnu-gcc"
+
+
+@pytest.mark.parametrize("source", sorted(p.name for p in (ROOT / "csrc").glob("*.c")))
+def test_sources_build_for_aarch64(source):
+    cc = shutil.which(AARCH64_CC)
+    if cc is None:
+        pytest.skip(f"{AARCH64_CC} is not on PATH; install gcc-aarch64-linux-gnu "
+                    "to check that csrc builds for aarch64")
+    include = sysconfig.get_paths()["include"]
+    command = [cc, *WARNINGS, "-fsyntax-only", "-I", include, "-I", str(ROOT / "csrc"),
+               str(ROOT / "csrc" / source)]
+    checked = subprocess.run(command, capture_output=True, text=True,
+                             timeout=BUILD_TIMEOUT_S, env=_environment())
+    assert checked.returncode == 0, (
+        f"aarch64 syntax check failed: {' '.join(command)}\n{checked.stderr}")
