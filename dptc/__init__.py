@@ -4,8 +4,17 @@ Change one import: ``from dptc import DistributedDataParallel as DDP``.
 """
 
 import importlib
+import os
 
-from . import _C
+try:
+    from . import _C
+except ImportError as error:
+    # A source tree with no build shadows an installed dptc when its folder is on sys.path
+    # (the current directory with `python -m`); Python then reports a circular import.
+    raise ImportError(
+        f"dptc's C extension is not built in {os.path.dirname(__file__)}: build it there "
+        f"(pip install --no-build-isolation -e ., or python setup.py build_ext --inplace), or run "
+        f"from outside this source tree to use an installed dptc") from error
 from ._C import CollectiveMismatchError, DistError, DistTimeoutError, PeerLostError
 from .collectives import (ReduceOp, all_gather_into_tensor, all_gather_into_tensors,
                           all_gather_single, all_reduce, barrier, broadcast,
