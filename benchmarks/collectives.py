@@ -8,9 +8,12 @@ See dptc/bench.py for the options and the nccl-tests definitions of algbw and bu
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _checkout import put_checkout_on_path
+
+put_checkout_on_path()
 
 from dptc.bench import main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # The ranks run this script too, so that they find dptc as it did.
+    sys.exit(main(target=[os.path.abspath(__file__)]))

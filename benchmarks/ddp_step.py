@@ -38,8 +38,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from _checkout import put_checkout_on_path
+
+put_checkout_on_path()
 
 from dptc.bench import import_dptc, run_under_torchrun  # noqa: E402
 from examples.gpt import build_gpt  # noqa: E402

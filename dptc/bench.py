@@ -467,13 +467,15 @@ def parse_args(argv):
     return args
 
 
-def main(argv=None):
+def main(argv=None, target=("-m", "dptc.bench")):
+    """Runs the table; outside torchrun, starts args.nproc ranks that run target
+    (see run_under_torchrun), which must call main again."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     if "RANK" not in os.environ:
         if args.impl == "dptc":
             import_dptc()  # fail here, once, rather than on every rank
-        return run_under_torchrun(["-m", "dptc.bench"], argv, args.nproc)
+        return run_under_torchrun(list(target), argv, args.nproc)
 
     # torch 2.13 suggests reduce_scatter_single; the table keeps the name dptc mirrors.
     warnings.filterwarnings("ignore", message=".*reduce_scatter_tensor.* is deprecated")
