@@ -194,6 +194,7 @@ class Backend:
     all_gather_into_tensor: Callable
     reduce_scatter_tensor: Callable
     barrier: Callable
+    empty: Callable = None  # (count, dtype) -> zeroed tensor; None: torch.zeros
 
     @classmethod
     def torch_gloo(cls, label, group=None):
@@ -203,33 +204,39 @@ class Backend:
         return cls(label=label, **bound)
 
     @classmethod
-    def dptc(cls, module):
-        return cls(label="dptc", all_reduce=module.all_reduce, broadcast=module.broadcast,
+    def dptc(cls, module, label="dptc", empty=None):
+        return cls(label=label, all_reduce=module.all_reduce, broadcast=module.broadcast,
                    all_gather_into_tensor=module.all_gather_into_tensor,
-                   reduce_scatter_tensor=module.reduce_scatter_tensor, barrier=module.barrier)
+                   reduce_scatter_tensor=module.reduce_scatter_tensor, barrier=module.barrier,
+                   empty=empty)
 
 
 def make_backends(impl):
-    """(test side, gloo reference); the test side is dptc, or gloo on its own group."""
+    """(test sides, gloo reference).  The test sides are dptc on ordinary tensors (staged
+    through the shared segment) and dptc on shared buffers (ProcessGroup.empty_shared: the
+    in-place all_reduce, the all_gather's output and the reduce_scatter's input need no
+    staging), or gloo on a group of its own."""
     if impl == "dptc":
         dptc = import_dptc()
-        dptc.init_process_group()
-        test = Backend.dptc(dptc)
+        group = dptc.init_process_group()
+        tests = [Backend.dptc(dptc),
+                 Backend.dptc(dptc, "dptc-shm", lambda count, dtype: group.empty_shared(count,
+                                                                                     dtype))]
     else:
-        test = Backend.torch_gloo("gloo*", dist.new_group(backend="gloo"))
-    return test, Backend.torch_gloo("gloo")
+        tests = [Backend.torch_gloo("gloo*", dist.new_group(backend="gloo"))]
+    return tests, Backend.torch_gloo("gloo")
 
 
 # ---------------------------------------------------------------------------------------------
 # One operation: buffers, the call, and a check of its result
 
-def make_buffers(op, count, dtype, nranks):
-    """Zeroed buffers; the first is the one whose size the table reports."""
-    if op == "all_gather":
-        return torch.zeros(count, dtype=dtype), torch.zeros(count // nranks, dtype=dtype)
-    if op == "reduce_scatter":
-        return torch.zeros(count, dtype=dtype), torch.zeros(count // nranks, dtype=dtype)
-    return (torch.zeros(count, dtype=dtype),)
+def make_buffers(op, count, dtype, nranks, empty=None):
+    """Zeroed buffers; the first is the one whose size the table reports (and the one `empty`
+    allocates: a collective allocation for shared buffers, so every rank makes the same)."""
+    empty = empty or (lambda n, dt: torch.zeros(n, dtype=dt))
+    if op in ("all_gather", "reduce_scatter"):
+        return empty(count, dtype), torch.zeros(count // nranks, dtype=dtype)
+    return (empty(count, dtype),)
 
 
 def issue(op, backend, buffers, redop):
@@ -327,15 +334,16 @@ class Measurement:
 
 def measure(op, count, dtype, backends, args, rank, nranks):
     """Times op at one size for every backend; returns {label: Measurement}."""
-    buffers = make_buffers(op, count, dtype, nranks)
+    buffers = {backend.label: make_buffers(op, count, dtype, nranks, backend.empty)
+               for backend in backends}
     redop = _REDOPS[args.redop]
-    size = count * buffers[0].element_size()
+    size = count * torch.empty((), dtype=dtype).element_size()
     plans, wrong = {}, {}
     for backend in backends:
         backend.barrier()
         wrong[backend.label] = 0 if args.no_check else check(
-            op, backend, buffers, args.redop, rank, nranks)
-        call = partial(issue, op, backend, buffers, redop)
+            op, backend, buffers[backend.label], args.redop, rank, nranks)
+        call = partial(issue, op, backend, buffers[backend.label], redop)
         plans[backend.label] = (call, plan_iterations(call, args))
 
     fewest = min(iterations for _, iterations in plans.values())
@@ -361,22 +369,23 @@ def measure(op, count, dtype, backends, args, rank, nranks):
 # ---------------------------------------------------------------------------------------------
 # Table
 
-def table_header(labels):
+def table_header(labels, ratios):
     group = "".join(f"{'-' * 9} {label:^9} {'-' * 9}  " for label in labels)
     columns = "".join(f"{'time(us)':>9} {'algbw':>9} {'busbw':>9}  " for _ in labels)
     units = "".join(f"{'':>9} {'(GB/s)':>9} {'(GB/s)':>9}  " for _ in labels)
     lead = f"{'size(B)':>12} {'count':>11} {'dtype':>9} {'op':>15}  "
+    names = "".join(f"{name:>10}" for name in ratios)
     return [f"#{'':{len(lead) - 1}}{group}",
-            f"#{lead[1:]}{columns}{'ratio':>7}",
+            f"#{lead[1:]}{columns}{names}",
             f"#{'':{len(lead) - 1}}{units}"]
 
 
-def table_row(row, labels):
+def table_row(row, labels, ratios):
     text = f"{row['size']:>12} {row['count']:>11} {row['dtype']:>9} {row['op']:>15}  "
     for label in labels:
         m = row[label]
         text += f"{m['time_us']:>9.1f} {m['algbw']:>9.3f} {m['busbw']:>9.3f}  "
-    text += f"{row['ratio']:>7.2f}"
+    text += "".join(f"{row[name]:>10.2f}" for name in ratios)
     wrong = [label for label in labels if row[label]["wrong"]]
     if wrong:
         text += "  WRONG: " + ", ".join(f"{label} ({row[label]['wrong']} elements)"
@@ -384,7 +393,7 @@ def table_row(row, labels):
     return text
 
 
-def summary(rows, test_label):
+def summary(rows, test_label, shared_label=None):
     """The two target lines: 64 MiB all_reduce busbw and 8 B all_reduce latency."""
     def find(size):
         candidates = [r for r in rows if r["op"] == "all_reduce" and r["size"] == size]
@@ -400,13 +409,19 @@ def summary(rows, test_label):
         lines.append(f"64 MiB all_reduce busbw: {test_label} {row[test_label]['busbw']:.2f} GB/s, "
                      f"gloo {row['gloo']['busbw']:.2f} GB/s, ratio {row['ratio']:.2f} "
                      f"(target >= 3)")
+        if shared_label:
+            lines.append(f"64 MiB all_reduce busbw on a shared buffer: {shared_label} "
+                         f"{row[shared_label]['busbw']:.2f} GB/s, ratio "
+                         f"{row['ratio_shared']:.2f}")
     row = find(8)
     if row is None:
         lines.append("8 B all_reduce latency: not measured (needs all_reduce in --ops and "
                      "--min-bytes <= 8)")
     else:
         lines.append(f"8 B all_reduce latency: {test_label} {row[test_label]['time_us']:.1f} us, "
-                     f"gloo {row['gloo']['time_us']:.1f} us (target < 20 us)")
+                     + (f"{shared_label} {row[shared_label]['time_us']:.1f} us, "
+                        if shared_label else "")
+                     + f"gloo {row['gloo']['time_us']:.1f} us (target < 20 us)")
     return lines
 
 
@@ -481,9 +496,12 @@ def main(argv=None, target=("-m", "dptc.bench")):
     warnings.filterwarnings("ignore", message=".*reduce_scatter_tensor.* is deprecated")
     init_torch_distributed(args.timeout)
     rank, nranks = dist.get_rank(), dist.get_world_size()
-    test, reference = make_backends(args.impl)
-    backends = [test, reference]
+    tests, reference = make_backends(args.impl)
+    test = tests[0]
+    shared = tests[1] if len(tests) > 1 else None
+    backends = [*tests, reference]
     labels = [b.label for b in backends]
+    ratios = ["ratio"] + (["ratio-shm"] if shared else [])
     say = partial(print, flush=True) if rank == 0 else (lambda *a, **k: None)
 
     say(f"# dptc.bench: {nranks} ranks, torch {torch.__version__}, "
@@ -495,7 +513,11 @@ def main(argv=None, target=("-m", "dptc.bench")):
             "(--impl torch); ratios should be near 1.0")
     say("# time: max over ranks of the median call; algbw = size / time; busbw = algbw x "
         "2(n-1)/n (all_reduce), (n-1)/n (all_gather, reduce_scatter), 1 (broadcast)")
-    for line in table_header(labels):
+    if shared:
+        say("# dptc: ordinary tensors, staged through the shared segment; dptc-shm: tensors in "
+            "shared buffers (ProcessGroup.empty_shared), as DDP's buckets are; ratio = dptc "
+            "busbw / gloo busbw, ratio-shm = dptc-shm busbw / gloo busbw")
+    for line in table_header(labels, ratios):
         say(line)
 
     rows = []
@@ -513,10 +535,13 @@ def main(argv=None, target=("-m", "dptc.bench")):
                 for label, m in results.items():
                     row[label] = vars(m)
                 row["ratio"] = results[test.label].busbw / results[reference.label].busbw
+                if shared:
+                    row["ratio_shared"] = (results[shared.label].busbw
+                                           / results[reference.label].busbw)
                 rows.append(row)
-                say(table_row(row, labels))
+                say(table_row(row, labels, [r.replace("-shm", "_shared") for r in ratios]))
 
-    for line in summary(rows, test.label):
+    for line in summary(rows, test.label, shared.label if shared else None):
         say(line)
     if rank == 0 and args.json:
         meta = {"nranks": nranks, "impl": args.impl, "test_label": test.label,

@@ -6,7 +6,7 @@ group, whose store dptc reuses for its own bootstrap.  Nodes are told apart by t
 index (GROUP_RANK), not by host name, so two torchrun invocations with ``--nnodes=2`` on one
 host are two nodes.
 
-A group is any set of ranks (see notes/DESIGN-engine.md): the world, ``new_group(ranks)``, a
+A group is any set of ranks (see notes/ENGINE.md): the world, ``new_group(ranks)``, a
 torch group made with ``torch.distributed.new_group`` or a ``DeviceMesh`` dimension.  Its
 members on one node share memory; a group that spans nodes hands its cross-node step to gloo,
 through gloo process groups that only its members build (``ProcessGroupGloo`` over the store),
