@@ -11,6 +11,20 @@ def _inputs(count, rank, dtype):
     return ((torch.arange(count) * 7 + rank) % 13).to(dtype)
 
 
+def _scatter_input(count, rank, block, dtype):
+    """Block `block` of rank `rank`'s reduce-scatter input: different for every (rank, block),
+    so reducing the wrong block, or rank r's block q in place of rank q's block r, shows.  The
+    values and every partial sum over up to 4 ranks are integers the dtype holds exactly: up to
+    1000 * 3 + 10 * 3 + 6 for the wide dtypes; 16 * rank + 4 * block + (0..3) <= 63, with sums
+    <= 156, for the 8-bit mantissas of bfloat16 and for uint8."""
+    index = torch.arange(count)
+    if dtype in (torch.bfloat16, torch.float16, torch.uint8):
+        values = 16 * rank + 4 * block + index % 4
+    else:
+        values = 1000 * rank + 10 * block + index % 7
+    return values.to(dtype)
+
+
 def all_reduce_cases():
     """In-place all-reduces at several offsets of shared buffers; returns failures."""
     import dptc
@@ -87,14 +101,14 @@ def gather_scatter_cases():
                 if not torch.equal(out, gathered):
                     failures.append(f"all_gather {dtype} count={count} in_place={in_place}")
                 full = pg.empty_shared(size * count, dtype)
-                full.copy_(torch.cat([_inputs(count, rank + r, dtype) for r in range(size)]))
+                full.copy_(torch.cat([_scatter_input(count, rank, b, dtype)
+                                      for b in range(size)]))
                 block = full[rank * count:(rank + 1) * count] if in_place \
                     else torch.full((count,), 99, dtype=dtype)
                 dptc.reduce_scatter_tensor(block, full, op=dptc.ReduceOp.SUM)
-                want = sum(_inputs(count, q + rank, dtype).double() for q in range(size))
-                tolerance = 1e-2 if dtype in (torch.bfloat16, torch.float16) else 0.0
-                error = (block.double() - want).abs().max().item()
-                if error > tolerance * max(1.0, want.abs().max().item()):
+                want = sum(_scatter_input(count, q, rank, dtype).double() for q in range(size))
+                wrong = int((block.double() != want).sum().item())
+                if wrong:
                     failures.append(f"reduce_scatter {dtype} count={count} in_place={in_place}: "
-                                    f"max error {error}")
+                                    f"{wrong} of {count} elements differ")
     return failures
