@@ -211,7 +211,9 @@ static dptc_status aborted_error(shm_transport *s, dptc_error *err)
     dptc_status status = (dptc_status)atomic_load_explicit(&s->header->aborted,
                                                            memory_order_acquire);
     int who = (int)atomic_load(&s->header->aborter);
-    if (status == DPTC_ERR_MISMATCH || status == DPTC_ERR_TIMEOUT)
+    /* A mismatch is every rank's error alike; anything else (a timeout, an
+     * interrupt, a failed step) happened to the aborter: here, a peer is lost. */
+    if (status == DPTC_ERR_MISMATCH)
         return dptc_fail(err, status, "%s", s->header->reason);
     return dptc_fail(err, DPTC_ERR_PEER_LOST, "local rank %d of node %d aborted the group: %s",
                      who, s->node, s->header->reason);

@@ -227,20 +227,32 @@ def _cross_group(store, stream, local_rank, node, nnodes, timeout):
     return dist.ProcessGroupGloo(prefix, node, nnodes, datetime.timedelta(seconds=timeout))
 
 
-def _wait_bridged(work, engine, store, what):
-    """Waits for a gloo work, and gives up when the group failed here or a member elsewhere
-    wrote the abort key (see _watch_failure); a gloo op whose peer aborted would wait for
-    gloo's timeout otherwise."""
+def _run_bridged(issue, engine, store, what):
+    """Issues a gloo operation (issue() -> work) and waits for it, giving up when the group
+    failed here or a member elsewhere wrote the abort key (see _watch_failure): a gloo op
+    whose peer aborted would wait for gloo's timeout otherwise.  gloo's own failures (a peer's
+    connection closed) become PeerLostError, naming the first failure known, if any."""
     from . import PeerLostError
 
+    def lost(error):
+        failure = engine.failure()
+        if failure is None and store.check(["abort"]):
+            failure = store.get("abort").decode(errors="replace")
+        cause = f"{failure} (gloo: {error})" if failure else f"gloo failed: {error}"
+        return PeerLostError(f"{what} lost a member on another node: {cause}")
+
+    try:
+        work = issue()
+    except RuntimeError as error:
+        raise lost(error) from error
     poll = datetime.timedelta(seconds=ABORT_POLL_S)
     while True:
         try:
             work.wait(poll)
             return
-        except RuntimeError:
+        except RuntimeError as error:
             if work.is_completed():
-                raise  # the op itself failed (a peer's connection closed, ...)
+                raise lost(error) from error
         failure = engine.failure()
         if failure is not None:
             raise PeerLostError(f"{what} stopped: {failure}")
@@ -256,13 +268,13 @@ def _make_bridge(engine, store, stream, local_rank, local_size, nnodes, cross, r
     def global_rank(node):
         return ranks[node * local_size + local_rank]
 
-    def wait(work, what):
-        _wait_bridged(work, engine, store, what)
+    def gloo(issue, what):
+        _run_bridged(issue, engine, store, what)
 
     def check(collective, dtype, redop, count, seq, root, text):
         mine = torch.tensor([collective, dtype, redop, count, seq, root], dtype=torch.int64)
         every = torch.empty(nnodes * mine.numel(), dtype=torch.int64)
-        wait(cross._allgather_base(every, mine), "the cross-node order check")
+        gloo(lambda: cross._allgather_base(every, mine), "the cross-node order check")
         every = every.view(nnodes, mine.numel())
         for node in range(nnodes):
             if not torch.equal(every[node], mine):
@@ -285,18 +297,18 @@ def _make_bridge(engine, store, stream, local_rank, local_size, nnodes, cross, r
         if op == 0:
             options = dist.AllreduceOptions()
             options.reduceOp = torch_reduce_op(redop)
-            wait(cross.allreduce([view], options), "a cross-node all_reduce")
+            gloo(lambda: cross.allreduce([view], options), "a cross-node all_reduce")
         elif op == 1:
             options = dist.BroadcastOptions()
             options.rootRank = root
-            wait(cross.broadcast([view], options), "a cross-node broadcast")
+            gloo(lambda: cross.broadcast([view], options), "a cross-node broadcast")
         elif op == 2:
             out = slot[offset2:offset2 + nnodes * nbytes].view(dt)
-            wait(cross._allgather_base(out, view), "a cross-node all_gather")
+            gloo(lambda: cross._allgather_base(out, view), "a cross-node all_gather")
         elif op == 4:
             source = slot[offset:offset + nnodes * nbytes].view(dt)
             out = slot[offset2:offset2 + nnodes * nbytes].view(dt)
-            wait(cross.alltoall_base(out, source, [], [], dist.AllToAllOptions()),
+            gloo(lambda: cross.alltoall_base(out, source, [], [], dist.AllToAllOptions()),
                  "a cross-node all_to_all")
         else:
             raise ValueError(f"unknown bridge operation {op}")

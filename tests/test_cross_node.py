@@ -71,11 +71,6 @@ def test_sigkill_of_a_rank_fails_the_survivors_within_seconds(killed):
         assert "DistError" in records[rank]["error_mro"], info
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "dptc bug: dptc/group.py:243 (_wait_bridged) re-raises gloo's RuntimeError when the gloo "
-    "op itself failed, and csrc/module.c group_raise (line 110) re-raises a bridge exception "
-    "with its type kept, so rank 3, whose gloo peer rank 1 died, raises a plain RuntimeError "
-    "('Connection closed by peer'), not a dptc.DistError (PeerLostError)"))
 def test_sigkill_of_a_rank_fails_its_cross_node_peer_with_a_dist_error(killed):
     """Rank 3 waits in gloo on rank 1 (the same local index on the other node) when rank 1
     dies: it must raise a dptc.DistError like every survivor."""

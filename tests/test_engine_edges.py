@@ -82,11 +82,6 @@ def test_wait_that_gives_up_leaves_no_work_behind(tmp_path_factory):
     assert r1["B"] == [20.0] * 4, r1  # rank 1's B untouched too
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "engine bug: dptc_work_wait (csrc/engine.c) aborts the transport with DPTC_ERR_TIMEOUT and "
-    "shm.c's aborted_error passes TIMEOUT through to the peers, so rank 1 raises "
-    "DistTimeoutError for rank 0's local 0.5 s give-up; README/notes/API.md say "
-    "PeerLostError (a peer aborted)"))
 def test_peer_of_a_wait_that_gave_up_raises_peer_lost(tmp_path_factory):
     """Rank 1 never waited past a timeout: rank 0 aborted the group (its Work.wait gave up), so
     rank 1's collectives raise PeerLostError ("a peer exited or aborted"), not
