@@ -49,10 +49,11 @@
  *
  * Defining DPTC_REDUCE_PORTABLE builds only the baseline loops (no clones,
  * no F16C kernels): the tests build it too, so that the code other machines
- * would run is checked on this one. */
+ * would run is checked on this one.  ThreadSanitizer builds get none either:
+ * the loader runs the clones' ifunc resolvers before TSan's runtime is up. */
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) \
     && defined(__GLIBC__) && defined(__has_attribute) \
-    && !defined(DPTC_REDUCE_PORTABLE)
+    && !defined(DPTC_REDUCE_PORTABLE) && !defined(__SANITIZE_THREAD__)
 #if __has_attribute(target_clones)
 #define HOT_LOOP __attribute__((target_clones("default", "arch=x86-64-v3")))
 #endif
