@@ -198,7 +198,9 @@ def _group_layout(ranks, me):
 
     The engine numbers a group's ranks node by node with the same number of members on every
     node (csrc/engine.h); sorted ranks of a node-major world are numbered that way whenever
-    every node holds as many members.
+    every node holds as many members.  A group spanning nodes with unequal member counts
+    (say [0, 1, 2] on nodes of two) is laid out one member per "node" instead: every member
+    then moves its bytes through the gloo bridge, slower but correct for any set of ranks.
     """
     nodes = []
     for r in ranks:
@@ -208,12 +210,11 @@ def _group_layout(ranks, me):
     local_size = counts[0]
     even = len(set(counts)) == 1 and all(
         _world_nodes[r] == nodes[i // local_size] for i, r in enumerate(ranks))
-    if not even:
-        raise NotImplementedError(
-            f"dptc groups that span nodes need the same number of members on every node, "
-            f"numbered node by node; ranks {ranks} have {dict(zip(nodes, counts))} members per "
-            f"node. Use groups within one node, or with as many members on every node")
     rank = ranks.index(me)
+    if not even:
+        logger.info("dptc group %s spans nodes with %s members: every member crosses through "
+                    "gloo", ranks, counts)
+        return rank, rank, len(ranks), 0, 1
     return rank, rank // local_size, len(nodes), rank % local_size, local_size
 
 
@@ -417,14 +418,8 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
     _generation += 1
     prefix_store = dist.PrefixStore(f"dptc/{_generation}/", base_store)
     _world_nodes = _world_layout(prefix_store, rank, size)
-    try:
-        _default = _make_group(dist.PrefixStore("world/", prefix_store), list(range(size)),
-                               seconds, dist.group.WORLD)
-    except NotImplementedError:
-        raise ValueError(
-            f"dptc needs the same number of ranks on every node with ranks numbered node by "
-            f"node (rank = node * local_size + local_rank); got nodes {_world_nodes}. Launch "
-            f"with torchrun and the same --nproc_per_node on every node") from None
+    _default = _make_group(dist.PrefixStore("world/", prefix_store), list(range(size)),
+                           seconds, dist.group.WORLD)
     _default._prefix_store = prefix_store
     logger.info("dptc process group: rank %d of %d, node %d of %d, local rank %d of %d",
                 rank, size, _default.node, _default.nnodes, _default.local_rank,
@@ -464,7 +459,6 @@ def new_group(ranks=None, timeout=None, backend=None, pg_options=None,
         tag = f"group/{_new_groups}"
     if world.rank not in members:
         return dist.GroupMember.NON_GROUP_MEMBER
-    _group_layout(members, world.rank)  # refuse what the engine cannot carry, on every member
     store = dist.PrefixStore(tag + "/", world._prefix_store)
     group = _make_group(store, members, seconds, None)
     logger.info("dptc group %s: rank %d of %d", members, group.rank, group.size)

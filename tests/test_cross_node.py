@@ -137,3 +137,16 @@ def test_reduce_scatter_sends_each_node_only_its_part():
         assert result["all_reduce"]["alltoall"] == [0, 0, 0], f"rank {rank}: {result}"
         assert result["all_reduce"]["allreduce"][1] == numel * 4 // local_size, \
             f"rank {rank}: {result}"
+
+
+def test_groups_with_unequal_members_per_node():
+    """[0, 1, 2] and [1, 2, 3] on two nodes of two: each node holds a different number of
+    members, so dptc lays the group out one member per node (every byte through gloo) and every
+    collective must still be exact."""
+    results = run_ranks(TARGET + "uneven_groups", WORLD, nnodes=NNODES, timeout=90)
+    for rank, result in enumerate(results):
+        assert not result["failures"], (rank, result["failures"])
+        for members, (group_rank, size, node, nnodes, local_size) in result["layouts"].items():
+            assert size == 3 and nnodes == 3 and local_size == 1 and node == group_rank, \
+                (rank, members, result["layouts"])
+    assert sorted(len(r["layouts"]) for r in results) == [1, 1, 2, 2], results

@@ -244,3 +244,46 @@ def reduce_scatter_traffic(numel: int):
     exact = exact and torch.equal(tensor, total)
     return {"reduce_scatter": rs, "all_reduce": ar, "exact": exact,
             "nnodes": pg.nnodes, "local_size": pg.local_size}
+
+
+def uneven_groups():
+    """Groups spanning the two nodes with unequal members per node, [0, 1, 2] and [1, 2, 3]:
+    every collective against the math (integer-valued floats, exact).  Returns the failures
+    and, per group, the layout dptc chose."""
+    import torch.distributed as dist
+
+    import dptc
+
+    rank = dptc.get_rank()
+    failures, layouts = [], {}
+    for members in ([0, 1, 2], [1, 2, 3]):
+        group = dptc.new_group(members)
+        if group is dist.GroupMember.NON_GROUP_MEMBER:
+            continue
+        n, me = len(members), members.index(rank)
+        layouts[str(members)] = [group.rank, group.size, group.node, group.nnodes,
+                                 group.local_size]
+        count = 1001
+        t = _ints(count, rank, 1).float()
+        expected = sum(_ints(count, r, 1).float() for r in members)
+        dptc.all_reduce(t, group=group)
+        if not torch.equal(t, expected):
+            failures.append(f"{members}: all_reduce differs")
+        for src in members:
+            b = _ints(count, rank, 2).float()
+            dptc.broadcast(b, src=src, group=group)
+            if not torch.equal(b, _ints(count, src, 2).float()):
+                failures.append(f"{members}: broadcast from {src} differs")
+        out = torch.empty(n * count)
+        dptc.all_gather_into_tensor(out, _ints(count, rank, 3).float(), group=group)
+        if not torch.equal(out, torch.cat([_ints(count, r, 3).float() for r in members])):
+            failures.append(f"{members}: all_gather differs")
+        full = {r: _ints(n * count, r, 4).float() for r in members}
+        block = torch.empty(count)
+        dptc.reduce_scatter_tensor(block, full[rank], group=group)
+        want = sum(full[r] for r in members)[me * count:(me + 1) * count]
+        if not torch.equal(block, want):
+            failures.append(f"{members}: reduce_scatter block {me} differs")
+        dptc.barrier(group=group)
+    dptc.barrier()
+    return {"failures": failures, "layouts": layouts}
