@@ -586,6 +586,19 @@ static int parse_coll(GroupObject *self, PyObject *const *args, Py_ssize_t nargs
     return tensor_data(args[4], &c->output);
 }
 
+/* Leaks an unfinished collective's tensors: the input, and the output or
+ * each tensor of a list of outputs (the caller may empty the list). */
+static void leak_operands(PyObject *input, PyObject *output)
+{
+    dptc_leak(input);
+    if (!PyList_Check(output)) {
+        dptc_leak(output);
+        return;
+    }
+    for (Py_ssize_t j = 0; j < PyList_GET_SIZE(output); j++)
+        dptc_leak(PyList_GET_ITEM(output, j));
+}
+
 /* run(op, dtype, redop, input, output, count, root, stream): one collective
  * to completion, GIL released. */
 static PyObject *group_run(GroupObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -608,10 +621,8 @@ static PyObject *group_run(GroupObject *self, PyObject *const *args, Py_ssize_t 
     Py_END_ALLOW_THREADS
     dptc_unwatch_signals(&watch);
     if (unfinished) {
-        dptc_leak(args[3]);
-        dptc_leak(args[4]);
+        leak_operands(args[3], args[4]);
         dptc_work_release(unfinished);
-        /* The work copied the output arrays; ours can go. */
     }
     coll_done(&is);
     if (status != DPTC_OK)
@@ -642,7 +653,10 @@ static PyObject *group_submit(GroupObject *self, PyObject *const *args, Py_ssize
     coll_done(&is);
     if (status != DPTC_OK)
         return group_raise(self, st, status, &err);
-    PyObject *keep = PyTuple_Pack(2, args[3], args[4]);
+    /* A list of outputs is copied: the caller may empty it while the work runs. */
+    PyObject *outputs = PyList_Check(args[4]) ? PyList_AsTuple(args[4]) : Py_NewRef(args[4]);
+    PyObject *keep = outputs ? PyTuple_Pack(2, args[3], outputs) : NULL;
+    Py_XDECREF(outputs);
     double timeout = dptc_group_timeout(g) * 2 + 1;
     if (!keep) {
         PyObject *type, *value, *traceback;
@@ -650,10 +664,8 @@ static PyObject *group_submit(GroupObject *self, PyObject *const *args, Py_ssize
         Py_BEGIN_ALLOW_THREADS
         dptc_work_wait(w, timeout, NULL);
         Py_END_ALLOW_THREADS
-        if (!dptc_work_is_completed(w)) {
-            dptc_leak(args[3]);
-            dptc_leak(args[4]);
-        }
+        if (!dptc_work_is_completed(w))
+            leak_operands(args[3], args[4]);
         dptc_work_release(w);
         PyErr_Restore(type, value, traceback);
         return NULL;
