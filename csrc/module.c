@@ -583,6 +583,10 @@ static int parse_coll(GroupObject *self, PyObject *const *args, Py_ssize_t nargs
         return -1;
     if (c->op == DPTC_OP_ALL_GATHER && (PyList_Check(args[4]) || PyTuple_Check(args[4])))
         return parse_outputs(args[4], self->size, is);
+    if (args[4] == args[3]) {  /* in place: one question to the tensor is enough */
+        c->output = c->input;
+        return 0;
+    }
     return tensor_data(args[4], &c->output);
 }
 
