@@ -115,6 +115,7 @@ typedef struct {
     PyObject *grad;      /* .grad as seen when it became ready (owned), or NULL */
     char *grad_data;     /* grad's bytes when contiguous and not the view */
     int grad_is_view;    /* grad is the bucket view: nothing to copy */
+    int direct;          /* grad is reduced where it is, see [Note: gradients in place] */
     char *saved;         /* with gradient_as_bucket_view: the view's bytes
                             before the reduce, restored if no rank used it
                             (PyMem_RawMalloc) */
@@ -183,6 +184,7 @@ struct ReducerObject {
     long long steps;
     long long launched_in_backward;
     long long launched_at_end;
+    long long launched_in_place;  /* over gradients where they are: [Note: gradients in place] */
     double wait_seconds;
 };
 
@@ -255,6 +257,50 @@ static dptc_module_state *reducer_state(ReducerObject *r)
     return dptc_state_from_type(Py_TYPE(r));
 }
 
+/* [Note: gradients in place]
+ * By default (plain all-reduce, no find_unused_parameters, no
+ * gradient_as_bucket_view) a contiguous gradient is not copied into its
+ * bucket: the bucket's all-reduce takes the members' memory as pieces (see
+ * [Note: several pieces] in shm.c): each member's .grad, or its place in the
+ * bucket for a member whose gradient had to be copied there.  The transport
+ * stages the pieces through its slots and writes the averages back into
+ * them, so .grad is updated in place, as torch's DDP leaves it, without the
+ * two bucket copies: about half the memory traffic of copy in, reduce the
+ * bucket, copy out.  The reducer holds each .grad (slot->grad) until the
+ * step ends, and leaks it with its bucket if the work never completes. */
+static int reduces_in_place(const ReducerObject *r)
+{
+    return r->comm == COMM_PLAIN && !r->find_unused && !r->as_view;
+}
+
+/* The all-reduce of bucket b over its members' pieces.  GIL held. */
+static dptc_status bucket_submit_pieces(ReducerObject *r, dptc_group *g, bucket *b,
+                                        dptc_coll *coll, dptc_error *err)
+{
+    size_t n = (size_t)b->nmembers;
+    void *pieces = PyMem_Malloc(n * (sizeof(void *) + sizeof(size_t)) + 1);
+    if (!pieces)
+        return dptc_fail(err, DPTC_ERR_NOMEM, "out of memory launching a bucket");
+    void **outputs = pieces;
+    size_t *counts = (size_t *)(outputs + n);
+    size_t elsize = dptc_dtype_size(b->dtype);
+    for (Py_ssize_t k = 0; k < b->nmembers; k++) {
+        param_slot *s = &r->slots[b->members[k]];
+        outputs[k] = s->direct ? s->grad_data : b->data + s->offset;
+        counts[k] = s->nbytes / elsize;
+    }
+    coll->input = coll->output = NULL;
+    coll->noutputs = (int)n;
+    coll->outputs = outputs;
+    coll->output_counts = counts;
+    /* The work copies the arrays. */
+    dptc_status status = dptc_group_submit(g, 0, coll, &b->work, err);
+    PyMem_Free(pieces);
+    if (status == DPTC_OK)
+        r->launched_in_place++;
+    return status;
+}
+
 /* Submits bucket b's all-reduce.  GIL held. */
 static dptc_status bucket_launch(ReducerObject *r, bucket *b, dptc_error *err)
 {
@@ -265,6 +311,9 @@ static dptc_status bucket_launch(ReducerObject *r, bucket *b, dptc_error *err)
         return DPTC_ERR_PYTHON;
     dptc_coll coll = {.op = DPTC_OP_ALL_REDUCE, .dtype = b->dtype, .redop = DPTC_AVG,
                       .input = b->data, .output = b->data, .count = b->count, .root = 0};
+    for (Py_ssize_t k = 0; k < b->nmembers && reduces_in_place(r); k++)
+        if (r->slots[b->members[k]].direct)
+            return bucket_submit_pieces(r, g, b, &coll, err);
     if (b->comm_tensor) {
         dptc_status status;
         Py_BEGIN_ALLOW_THREADS
@@ -307,6 +356,9 @@ static void step_leak_unfinished(ReducerObject *r)
             continue;
         dptc_leak(b->tensor);
         dptc_leak(b->comm_tensor);
+        for (Py_ssize_t k = 0; k < b->nmembers; k++)
+            if (r->slots[b->members[k]].direct)
+                dptc_leak(r->slots[b->members[k]].grad);
         b->work = NULL;  /* its reference is leaked with it */
     }
     if (r->used_work) {
@@ -359,6 +411,7 @@ static void step_end(ReducerObject *r)
         s->ready = 0;
         s->grad_data = NULL;
         s->grad_is_view = 0;
+        s->direct = 0;
         Py_CLEAR(s->grad);
         if (s->saved) {
             PyMem_RawFree(s->saved);
@@ -439,6 +492,7 @@ static dptc_status slot_capture(ReducerObject *r, param_slot *s, PyObject *grad)
     Py_CLEAR(s->grad);
     s->grad_data = NULL;
     s->grad_is_view = 0;
+    s->direct = 0;
     if (grad == Py_None) {
         zero_bytes(place, s->nbytes);
         return DPTC_OK;
@@ -456,8 +510,11 @@ static dptc_status slot_capture(ReducerObject *r, param_slot *s, PyObject *grad)
     int contiguous;
     CHECK(tensor_flag(grad, "is_contiguous", &contiguous));
     if (contiguous) {
-        copy_bytes(place, data, s->nbytes);
         s->grad_data = data;
+        if (reduces_in_place(r))
+            s->direct = 1;  /* see [Note: gradients in place] */
+        else
+            copy_bytes(place, data, s->nbytes);
         return DPTC_OK;
     }
     /* Non-contiguous gradient (e.g. a channels_last parameter): let torch
@@ -659,7 +716,7 @@ static dptc_status bucket_complete(ReducerObject *r, bucket *b, double timeout, 
     for (Py_ssize_t k = 0; k < b->nmembers; k++) {
         Py_ssize_t i = b->members[k];
         param_slot *s = &r->slots[i];
-        if (!s->grad_data || r->as_view || !slot_globally_used(r, i))
+        if (!s->grad_data || s->direct || r->as_view || !slot_globally_used(r, i))
             continue;
         memcpy(s->grad_data, b->data + s->offset, s->nbytes);
     }
@@ -1182,9 +1239,10 @@ static PyObject *reducer_get_observed_order(PyObject *op, void *Py_UNUSED(closur
 static PyObject *reducer_get_stats(PyObject *op, void *Py_UNUSED(closure))
 {
     ReducerObject *r = (ReducerObject *)op;
-    return Py_BuildValue("{s:L,s:n,s:L,s:L,s:d,s:i}", "steps", r->steps, "buckets", r->nbuckets,
-                         "launched_in_backward", r->launched_in_backward, "launched_at_end",
-                         r->launched_at_end, "wait_seconds", r->wait_seconds, "comm_mode",
+    return Py_BuildValue("{s:L,s:n,s:L,s:L,s:L,s:d,s:i}", "steps", r->steps, "buckets",
+                         r->nbuckets, "launched_in_backward", r->launched_in_backward,
+                         "launched_at_end", r->launched_at_end, "launched_in_place",
+                         r->launched_in_place, "wait_seconds", r->wait_seconds, "comm_mode",
                          (int)r->comm);
 }
 

@@ -443,6 +443,49 @@ static dptc_status bridge(channel *ch, dptc_bridge_op op, const dptc_coll *c,
                             at2 ? (size_t)(at2 - base) : 0, count, root, err);
 }
 
+/* [Note: several pieces]
+ * An all-gather into several outputs, and an all-reduce in place on several
+ * tensors (noutputs > 0), see their operand as the concatenation of pieces:
+ * piece j has output_counts[j] elements at outputs[j], or, for the
+ * all-gather, group size blocks of them there.  DDP all-reduces its
+ * gradients where autograd left them this way, with no bucket copy.
+ *
+ * pieces_copy moves elements [at, at + n) of that concatenation, in block
+ * `block` of each piece, between buf and the pieces (into_pieces says
+ * which way). */
+static void pieces_copy(const dptc_coll *c, size_t block, size_t at, size_t n,
+                        unsigned char *buf, size_t elsize, int into_pieces)
+{
+    size_t start = 0;
+    for (int j = 0; j < c->noutputs && n > 0; j++) {
+        size_t len = c->output_counts[j];
+        if (at < start + len) {
+            size_t offset = at - start;
+            size_t take = len - offset < n ? len - offset : n;
+            unsigned char *piece = (unsigned char *)c->outputs[j] + (block * len + offset) * elsize;
+            if (into_pieces)
+                copy(piece, buf, take * elsize);
+            else
+                copy(buf, piece, take * elsize);
+            buf += take * elsize;
+            at += take;
+            n -= take;
+        }
+        start += len;
+    }
+}
+
+/* Copies elements [at, at + n) of group rank g's input to their place in
+ * the output or outputs. */
+static void place_gathered(const dptc_coll *c, size_t g, size_t at, size_t n,
+                           const unsigned char *src, size_t elsize)
+{
+    if (c->noutputs == 0)
+        copy((unsigned char *)c->output + (g * c->count + at) * elsize, src, n * elsize);
+    else
+        pieces_copy(c, g, at, n, (unsigned char *)src, elsize, 1);
+}
+
 /* Small all-reduce on one node: one step; every rank reduces everything. */
 static dptc_status all_reduce_small(channel *ch, const dptc_coll *c, uint64_t seq,
                                     double deadline, dptc_error *err)
@@ -494,7 +537,11 @@ static dptc_status all_reduce_large(channel *ch, const dptc_coll *c, uint64_t se
     double scale = is_avg(c) ? 1.0 / (n * s->nnodes) : 1.0;
     for (size_t done = 0; done < c->count || first;) {
         size_t chunk = c->count - done < chunk_max ? c->count - done : chunk_max;
-        copy(slot_buffer(ch, s->local_rank, ch->rounds), in + done * elsize, chunk * elsize);
+        unsigned char *staged = slot_buffer(ch, s->local_rank, ch->rounds);
+        if (c->noutputs > 0)
+            pieces_copy(c, 0, done, chunk, staged, elsize, 0);
+        else
+            copy(staged, in + done * elsize, chunk * elsize);
         CHECK(begin_round(ch, c, seq, deadline, err));
         first = 0;
         span my = part_of(chunk, n, s->local_rank, part_max);
@@ -515,8 +562,11 @@ static dptc_status all_reduce_large(channel *ch, const dptc_coll *c, uint64_t se
         CHECK(step(ch, deadline, err));
         for (int p = 0; p < n; p++) {
             span their = part_of(chunk, n, p, part_max);
-            copy(out + (done + their.lo) * elsize, slot_buffer(ch, p, ch->rounds) + their.lo * elsize,
-                 (their.hi - their.lo) * elsize);
+            unsigned char *part = slot_buffer(ch, p, ch->rounds) + their.lo * elsize;
+            if (c->noutputs > 0)
+                pieces_copy(c, 0, done + their.lo, their.hi - their.lo, part, elsize, 1);
+            else
+                copy(out + (done + their.lo) * elsize, part, (their.hi - their.lo) * elsize);
         }
         ch->rounds++;
         done += chunk;
@@ -562,6 +612,8 @@ static dptc_status all_reduce(channel *ch, const dptc_coll *c, uint64_t seq,
     shm_transport *s = ch->s;
     if (ch->in_shared)
         return all_reduce_shared(ch, c, seq, deadline, err);
+    if (c->noutputs > 0)  /* see [Note: several pieces] */
+        return all_reduce_large(ch, c, seq, deadline, err);
     size_t bytes = c->count * dptc_dtype_size(c->dtype);
     if (s->nnodes == 1 && (bytes <= 16384 || (s->local_size == 1 && bytes <= s->slot_bytes)))
         return all_reduce_small(ch, c, seq, deadline, err);
@@ -629,31 +681,6 @@ static dptc_status reduce_scatter_shared(channel *ch, const dptc_coll *c, uint64
     double scale = is_avg(c) ? 1.0 / s->local_size : 1.0;
     CHECK(dptc_reduce(c->output, srcs, s->local_size, c->count, c->dtype, base_redop(c), scale, err));
     return step(ch, deadline, err);
-}
-
-/* Copies elements [at, at + n) of group rank g's input to their place in
- * the output, or, in the several-output form, in the outputs they belong to
- * (see dptc_coll in engine.h). */
-static void place_gathered(const dptc_coll *c, size_t g, size_t at, size_t n,
-                           const unsigned char *src, size_t elsize)
-{
-    if (c->noutputs == 0) {
-        copy((unsigned char *)c->output + (g * c->count + at) * elsize, src, n * elsize);
-        return;
-    }
-    size_t start = 0;
-    for (int j = 0; j < c->noutputs && n > 0; j++) {
-        size_t len = c->output_counts[j];
-        if (at < start + len) {
-            size_t offset = at - start;
-            size_t take = len - offset < n ? len - offset : n;
-            copy((unsigned char *)c->outputs[j] + (g * len + offset) * elsize, src, take * elsize);
-            src += take * elsize;
-            at += take;
-            n -= take;
-        }
-        start += len;
-    }
 }
 
 /* All-gather.  Per round, a window of each rank's input is staged; across
@@ -985,7 +1012,7 @@ static const dptc_shared *find_shared(shm_transport *s, const void *ptr, size_t 
 static const dptc_shared *find_shared_operand(channel *ch, const dptc_coll *c, size_t *offset)
 {
     shm_transport *s = ch->s;
-    if (ch->bridge || c->count == 0)
+    if (ch->bridge || c->count == 0 || c->noutputs > 0)
         return NULL;
     size_t bytes = c->count * dptc_dtype_size(c->dtype);
     switch (c->op) {

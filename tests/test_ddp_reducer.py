@@ -48,6 +48,8 @@ def test_buckets_launch_during_backward():
         # 6 buckets per step; only the last one can wait for the end of backward.
         assert stats["launched_in_backward"] == 18, stats
         assert stats["launched_at_end"] == 0, stats
+        # Contiguous gradients are reduced where they are ([Note: gradients in place]).
+        assert stats["launched_in_place"] == 18, stats
 
 
 # ---------------------------------------------------------------------------------------------

@@ -126,6 +126,25 @@ class BatchNormNet(nn.Module):
         return self.fc2(torch.tanh(self.bn(self.fc1(x))))
 
 
+class ConvNet(nn.Module):
+    """A 3x3 convolution and a linear layer; see channels_last_convnet."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.fc = nn.Linear(4 * 4 * 4, 8)
+
+    def forward(self, x):
+        return self.fc(torch.tanh(self.conv(x)).flatten(1))
+
+
+def channels_last_convnet():
+    """The convolution's weight is channels_last, so its gradient is not contiguous: one bucket
+    holds pieces reduced where autograd left them (the linear layer's) and a piece copied into
+    the bucket and back (the convolution's)."""
+    return ConvNet().to(memory_format=torch.channels_last)
+
+
 def frozen_mlp():
     model = MLP()
     model.fc2.requires_grad_(False)  # frozen middle layer: gradients flow through, not into it
@@ -144,6 +163,11 @@ def tiny_gpt():
 def classification_batch(generator, rows, d_in=16, classes=8):
     return (torch.randn(rows, d_in, generator=generator),
             torch.randint(classes, (rows,), generator=generator))
+
+
+def image_batch(generator, rows):
+    return (torch.randn(rows, 3, 4, 4, generator=generator),
+            torch.randint(8, (rows,), generator=generator))
 
 
 def odd_batch(generator, rows):
@@ -202,6 +226,7 @@ SCENARIOS = {
                             ddp_kwargs={"find_unused_parameters": True}),
     "tied_gpt": Scenario(tiny_gpt, batch=token_batch, loss=gpt_loss),
     "frozen": Scenario(frozen_mlp),
+    "channels_last": Scenario(channels_last_convnet, batch=image_batch),
     "odd_sizes": Scenario(OddSizes, batch=odd_batch),
     "rank_init": Scenario(MLP, seed_by_rank=True),
     "buffers": Scenario(BatchNormNet, per_rank_reference=True, eval_forward=True,
