@@ -251,9 +251,15 @@ def _run_bridged(issue, engine, store, what):
         try:
             work.wait(poll)
             return
-        except RuntimeError as error:
+        except RuntimeError:
+            # The poll ran out, or the op failed; it may also have completed just after the
+            # poll ran out: a wait on a completed work returns, or raises the op's own error.
             if work.is_completed():
-                raise lost(error) from error
+                try:
+                    work.wait()
+                    return
+                except RuntimeError as error:
+                    raise lost(error) from error
         failure = engine.failure()
         if failure is not None:
             raise PeerLostError(f"{what} stopped: {failure}")

@@ -14,6 +14,7 @@ check passes; otherwise the failures, and exits 1.
 import argparse
 import os
 import sys
+import traceback
 
 from tests._rank import IMPLS, load_impl
 from tests.workers_subgroups import subgroup_checks
@@ -26,8 +27,13 @@ def main():
     options = parser.parse_args()
 
     rank = int(os.environ["RANK"])
-    result = subgroup_checks(options.impl, sources=("own",), seed=options.seed, large=False,
-                             layout=True)
+    try:
+        result = subgroup_checks(options.impl, sources=("own",), seed=options.seed, large=False,
+                                 layout=True)
+    except BaseException:
+        # On stdout, whole: a node's stderr interleaves its ranks and the report keeps its tail.
+        print(f"TWO_NODE_SUBGROUPS_ERROR rank={rank}:\n{traceback.format_exc()}", flush=True)
+        raise
     load_impl(options.impl).destroy_process_group()
     failures = [f"{section}: {line}" for section, lines in result["own"].items()
                 for line in lines]
