@@ -224,6 +224,15 @@ def main(argv=None):
                          dtype=torch.float64)
     dist.all_reduce(drift, op=dist.ReduceOp.MAX)
 
+    # dptc's reducer counts the time its end-of-backward callback waits (the last buckets'
+    # all-reduce plus the ranks' skew); per step, on the rank that waits longest.
+    wait_ms = None
+    if args.impl == "dptc":
+        stats = test_ddp._reducer_stats()
+        wait = torch.tensor([stats["wait_seconds"] / max(stats["steps"], 1)], dtype=torch.float64)
+        dist.all_reduce(wait, op=dist.ReduceOp.MAX)
+        wait_ms = wait.item() * 1e3
+
     compute = medians["compute"]
     hidden = {side: hidden_share(medians[f"{side} DDP"], compute, medians[f"{side} comm"])
               for side in ("torch", label)}
@@ -246,6 +255,11 @@ def main(argv=None):
         for name, seconds in medians.items():
             print(f"{name:>14}  {seconds * 1e3:9.2f} ms")
         print(f"step time ratio torch DDP / {label} DDP: {ratio:.2f}")
+        print(f"scaling efficiency compute / {label} DDP: "
+              f"{compute / medians[f'{label} DDP']:.3f}")
+        if wait_ms is not None:
+            print(f"dptc end-of-backward wait: {wait_ms:.2f} ms per step (rank that waits "
+                  f"longest, every phase's steps)")
         print("hidden share = 1 - (ddp_step - compute_step) / comm_time, clipped to [0, 1]")
         for side in ("torch", label):
             step, comm = medians[f"{side} DDP"], medians[f"{side} comm"]
