@@ -81,9 +81,13 @@ void dptc_watch_signals(dptc_watch *saved)
     dptc_set_interrupt_check(check_signals, NULL, &saved->check, &saved->arg);
 }
 
-void dptc_unwatch_signals(const dptc_watch *saved)
+dptc_status dptc_unwatch_signals(const dptc_watch *saved, dptc_status status, dptc_error *err)
 {
     dptc_set_interrupt_check(saved->check, saved->arg, NULL, NULL);
+    if (status == DPTC_OK && PyErr_Occurred())
+        return dptc_fail(err, DPTC_ERR_INTERRUPTED,
+                         "interrupted (KeyboardInterrupt) as the collective completed");
+    return status;
 }
 
 /* [Note: memory of unfinished work]
@@ -94,6 +98,39 @@ void dptc_unwatch_signals(const dptc_watch *saved)
  * must stay: they are leaked (an extra reference nobody drops) rather than
  * released, and the group is unusable anyway. */
 void dptc_leak(PyObject *obj) { Py_XINCREF(obj); }
+
+dptc_status dptc_tensor_data(PyObject *tensor, void **out)
+{
+    *out = NULL;
+    if (PyLong_Check(tensor)) {
+        PyErr_SetString(PyExc_TypeError, "expected a tensor, got an int: dptc takes tensors, "
+                                         "never raw addresses");
+        return DPTC_ERR_PYTHON;
+    }
+    PyObject *ptr = PyObject_CallMethod(tensor, "data_ptr", NULL);
+    if (!ptr)
+        return DPTC_ERR_PYTHON;
+    *out = PyLong_AsVoidPtr(ptr);
+    Py_DECREF(ptr);
+    return PyErr_Occurred() ? DPTC_ERR_PYTHON : DPTC_OK;
+}
+
+dptc_status dptc_tensor_numel(PyObject *tensor, size_t *out)
+{
+    PyObject *numel = PyObject_CallMethod(tensor, "numel", NULL);
+    if (!numel)
+        return DPTC_ERR_PYTHON;
+    *out = PyLong_AsSize_t(numel);
+    Py_DECREF(numel);
+    return PyErr_Occurred() ? DPTC_ERR_PYTHON : DPTC_OK;
+}
+
+/* An operand of a collective: None gives NULL.  0, or -1 with an exception. */
+static int operand_data(PyObject *tensor, void **out)
+{
+    *out = NULL;
+    return tensor == Py_None || dptc_tensor_data(tensor, out) == DPTC_OK ? 0 : -1;
+}
 
 /* ------------------------------------------------------------------ */
 /* Group (struct first: Work and SharedBuffer refer to it) */
@@ -106,10 +143,14 @@ typedef struct {
 } GroupObject;
 
 /* Raises the exception for a status of group `self`: the bridge's own
- * exception, type and message kept, when the failure came from there. */
+ * exception, type and message kept, when the failure came from there.  An
+ * interrupt aborts the group first, so the peers raise too (a no-op when
+ * the engine did already, for a wait it gave up). */
 static PyObject *group_raise(GroupObject *self, dptc_module_state *st, dptc_status status,
                              const dptc_error *err)
 {
+    if (status == DPTC_ERR_INTERRUPTED && self && self->group)
+        dptc_group_abort(self->group, "a rank was interrupted (KeyboardInterrupt)");
     if (status == DPTC_ERR_PYTHON && !PyErr_Occurred() && self &&
         PyList_GET_SIZE(self->errors) > 0) {
         PyObject *exc = PyList_GET_ITEM(self->errors, PyList_GET_SIZE(self->errors) - 1);
@@ -180,15 +221,9 @@ static PyObject *work_wait(WorkObject *self, PyObject *args, PyObject *kwargs)
     Py_BEGIN_ALLOW_THREADS
     status = dptc_work_wait(self->work, seconds, &err);
     Py_END_ALLOW_THREADS
-    dptc_unwatch_signals(&watch);
-    if (!dptc_work_is_completed(self->work)) {
+    status = dptc_unwatch_signals(&watch, status, &err);
+    if (!dptc_work_is_completed(self->work))
         dptc_leak(self->keepalive);
-    } else if (status == DPTC_OK && PyErr_Occurred()) {
-        /* Ctrl-C arrived as the work completed: still abort, as promised. */
-        if (self->group->group)
-            dptc_group_abort(self->group->group, "a rank was interrupted (KeyboardInterrupt)");
-        return NULL;
-    }
     if (status != DPTC_OK)
         return group_raise(self->group, dptc_state_from_type(Py_TYPE(self)), status, &err);
     Py_RETURN_TRUE;
@@ -456,36 +491,6 @@ static dptc_group *open_group(GroupObject *self, dptc_module_state **st)
     return dptc_group_from_object(*st, (PyObject *)self, "group");
 }
 
-/* Asks a tensor for its data pointer (see [Note: tensors across the C
- * boundary] in engine.h).  None gives NULL. */
-static int tensor_data(PyObject *tensor, void **out)
-{
-    *out = NULL;
-    if (tensor == Py_None)
-        return 0;
-    if (PyLong_Check(tensor)) {
-        PyErr_SetString(PyExc_TypeError, "expected a tensor, got an int: dptc takes tensors, "
-                                         "never raw addresses");
-        return -1;
-    }
-    PyObject *ptr = PyObject_CallMethod(tensor, "data_ptr", NULL);
-    if (!ptr)
-        return -1;
-    *out = PyLong_AsVoidPtr(ptr);
-    Py_DECREF(ptr);
-    return PyErr_Occurred() ? -1 : 0;
-}
-
-static int tensor_numel(PyObject *tensor, size_t *out)
-{
-    PyObject *numel = PyObject_CallMethod(tensor, "numel", NULL);
-    if (!numel)
-        return -1;
-    *out = PyLong_AsSize_t(numel);
-    Py_DECREF(numel);
-    return PyErr_Occurred() ? -1 : 0;
-}
-
 /* A collective being issued: the dptc_coll, the stream, and the arrays of
  * the several-output all-gather (freed by coll_done). */
 typedef struct {
@@ -519,7 +524,7 @@ static int parse_outputs(PyObject *outputs, int size, issued *is)
     for (Py_ssize_t j = 0; j < n; j++) {
         size_t numel;
         PyObject *t = PySequence_Fast_GET_ITEM(seq, j);
-        if (tensor_data(t, &ptrs[j]) < 0 || tensor_numel(t, &numel) < 0)
+        if (dptc_tensor_data(t, &ptrs[j]) != DPTC_OK || dptc_tensor_numel(t, &numel) != DPTC_OK)
             goto exit;
         if (numel % (size_t)size != 0) {
             PyErr_Format(PyExc_ValueError, "outputs[%zd] has %zu elements, not a multiple of "
@@ -579,7 +584,7 @@ static int parse_coll(GroupObject *self, PyObject *const *args, Py_ssize_t nargs
     is->stream = (int)PyLong_AsLong(args[7]);
     if (is->stream == -1 && PyErr_Occurred())
         return -1;
-    if (tensor_data(args[3], &c->input) < 0)
+    if (operand_data(args[3], &c->input) < 0)
         return -1;
     if (c->op == DPTC_OP_ALL_GATHER && (PyList_Check(args[4]) || PyTuple_Check(args[4])))
         return parse_outputs(args[4], self->size, is);
@@ -587,7 +592,7 @@ static int parse_coll(GroupObject *self, PyObject *const *args, Py_ssize_t nargs
         c->output = c->input;
         return 0;
     }
-    return tensor_data(args[4], &c->output);
+    return operand_data(args[4], &c->output);
 }
 
 /* Leaks an unfinished collective's tensors: the input, and the output or
@@ -623,7 +628,7 @@ static PyObject *group_run(GroupObject *self, PyObject *const *args, Py_ssize_t 
     Py_BEGIN_ALLOW_THREADS
     status = dptc_group_run(g, is.stream, &is.coll, &unfinished, &err);
     Py_END_ALLOW_THREADS
-    dptc_unwatch_signals(&watch);
+    status = dptc_unwatch_signals(&watch, status, &err);
     if (unfinished) {
         leak_operands(args[3], args[4]);
         dptc_work_release(unfinished);
@@ -631,11 +636,6 @@ static PyObject *group_run(GroupObject *self, PyObject *const *args, Py_ssize_t 
     coll_done(&is);
     if (status != DPTC_OK)
         return group_raise(self, st, status, &err);
-    if (PyErr_Occurred()) {
-        /* Ctrl-C arrived as the collective completed: still abort, as promised. */
-        dptc_group_abort(g, "a rank was interrupted (KeyboardInterrupt)");
-        return NULL;
-    }
     Py_RETURN_NONE;
 }
 
@@ -724,7 +724,7 @@ static PyObject *group_share(GroupObject *self, PyObject *arg)
     Py_BEGIN_ALLOW_THREADS
     status = dptc_group_run(g, 0, &c, &unfinished, &err);
     Py_END_ALLOW_THREADS
-    dptc_unwatch_signals(&watch);
+    status = dptc_unwatch_signals(&watch, status, &err);
     if (unfinished) {
         /* It may still use `shared`: leak it. */
         dptc_work_release(unfinished);

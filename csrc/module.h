@@ -46,13 +46,21 @@ struct dptc_bridge *dptc_bridge_new(PyObject *callable, PyObject *errors);
 
 /* Installs the Ctrl-C check of [Note: interrupts] (dptc.h) on this thread
  * for the length of a wait that can raise; unwatch restores the previous
- * one.  GIL held for both. */
+ * one and returns the wait's status, made DPTC_ERR_INTERRUPTED (with its
+ * message in err) when the check fired just as the work completed: every
+ * caller then aborts and raises alike.  GIL held for both. */
 typedef struct {
     dptc_interrupt_check check;
     void *arg;
 } dptc_watch;
 void dptc_watch_signals(dptc_watch *saved);
-void dptc_unwatch_signals(const dptc_watch *saved);
+dptc_status dptc_unwatch_signals(const dptc_watch *saved, dptc_status status, dptc_error *err);
+
+/* A tensor's data pointer and element count, asked of the tensor (see
+ * [Note: tensors across the C boundary] in engine.h).  DPTC_ERR_PYTHON with
+ * an exception set on failure; an int is refused (no raw addresses). */
+dptc_status dptc_tensor_data(PyObject *tensor, void **out);
+dptc_status dptc_tensor_numel(PyObject *tensor, size_t *out);
 
 /* Keeps obj alive for good: memory that unfinished work may still touch
  * (see [Note: memory of unfinished work] in module.c).  GIL held. */

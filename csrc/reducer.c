@@ -192,14 +192,13 @@ struct ReducerObject {
 /* Small helpers around tensors.  Statuses: DPTC_ERR_PYTHON means a Python
  * exception is set. */
 
-static dptc_status tensor_data(PyObject *tensor, char **out)
+/* dptc_tensor_data, as the char pointer the reducer does arithmetic on. */
+static dptc_status tensor_bytes(PyObject *tensor, char **out)
 {
-    PyObject *ptr = PyObject_CallMethod(tensor, "data_ptr", NULL);
-    if (!ptr)
-        return DPTC_ERR_PYTHON;
-    *out = PyLong_AsVoidPtr(ptr);
-    Py_DECREF(ptr);
-    return PyErr_Occurred() ? DPTC_ERR_PYTHON : DPTC_OK;
+    void *data;
+    dptc_status status = dptc_tensor_data(tensor, &data);
+    *out = data;
+    return status;
 }
 
 static dptc_status tensor_flag(PyObject *tensor, const char *method, int *out)
@@ -210,16 +209,6 @@ static dptc_status tensor_flag(PyObject *tensor, const char *method, int *out)
     *out = PyObject_IsTrue(flag);
     Py_DECREF(flag);
     return *out < 0 ? DPTC_ERR_PYTHON : DPTC_OK;
-}
-
-static dptc_status tensor_numel(PyObject *tensor, size_t *out)
-{
-    PyObject *numel = PyObject_CallMethod(tensor, "numel", NULL);
-    if (!numel)
-        return DPTC_ERR_PYTHON;
-    *out = PyLong_AsSize_t(numel);
-    Py_DECREF(numel);
-    return PyErr_Occurred() ? DPTC_ERR_PYTHON : DPTC_OK;
 }
 
 /* Every copy runs without the GIL, so other Python threads (and the bridge's
@@ -502,7 +491,7 @@ static dptc_status slot_capture(ReducerObject *r, param_slot *s, PyObject *grad)
     if (s->nbytes == 0)
         return DPTC_OK;
     char *data;
-    CHECK(tensor_data(grad, &data));
+    CHECK(tensor_bytes(grad, &data));
     if (data == place) {
         s->grad_is_view = 1;
         return DPTC_OK;
@@ -747,7 +736,7 @@ static dptc_status wait_and_copy_back(ReducerObject *r, dptc_error *err)
     for (Py_ssize_t i = 0; i < r->nbuckets && status == DPTC_OK; i++)
         status = bucket_complete(r, &r->buckets[i], timeout, err);
     Py_END_ALLOW_THREADS
-    dptc_unwatch_signals(&watch);
+    status = dptc_unwatch_signals(&watch, status, err);
     r->wait_seconds += dptc_now() - start;
     return status;
 }
@@ -914,7 +903,7 @@ static PyObject *reducer_new(PyTypeObject *type, PyObject *args, PyObject *kwarg
         if (dtype_arg(PyList_GET_ITEM(dtypes, i), 0, &s->dtype, "Reducer") < 0)
             goto fail;
         size_t numel;
-        if (tensor_numel(PyList_GET_ITEM(params, i), &numel) != DPTC_OK)
+        if (dptc_tensor_numel(PyList_GET_ITEM(params, i), &numel) != DPTC_OK)
             goto fail;
         s->param = Py_NewRef(PyList_GET_ITEM(params, i));
         s->name = Py_NewRef(name);
@@ -946,7 +935,7 @@ static int bucket_from_entry(ReducerObject *r, PyObject *entry, Py_ssize_t index
         return -1;
     }
     b->tensor = Py_NewRef(tensor);
-    if (tensor_data(tensor, &b->data) != DPTC_OK || tensor_numel(tensor, &b->count) != DPTC_OK)
+    if (tensor_bytes(tensor, &b->data) != DPTC_OK || dptc_tensor_numel(tensor, &b->count) != DPTC_OK)
         return -1;
     if (comm_tensor != Py_None) {
         if (b->comm_dtype != DPTC_FLOAT16 && b->comm_dtype != DPTC_BFLOAT16) {
@@ -960,8 +949,8 @@ static int bucket_from_entry(ReducerObject *r, PyObject *entry, Py_ssize_t index
         }
         size_t comm_count;
         b->comm_tensor = Py_NewRef(comm_tensor);
-        if (tensor_data(comm_tensor, &b->comm_data) != DPTC_OK ||
-            tensor_numel(comm_tensor, &comm_count) != DPTC_OK)
+        if (tensor_bytes(comm_tensor, &b->comm_data) != DPTC_OK ||
+            dptc_tensor_numel(comm_tensor, &comm_count) != DPTC_OK)
             return -1;
         if (comm_count != b->count) {
             PyErr_SetString(PyExc_ValueError, "set_buckets: comm buffer size differs");
@@ -991,7 +980,7 @@ static int bucket_from_entry(ReducerObject *r, PyObject *entry, Py_ssize_t index
         }
         PyObject *view = PyList_GET_ITEM(member_views, k);
         char *view_data;
-        if (tensor_data(view, &view_data) != DPTC_OK)
+        if (tensor_bytes(view, &view_data) != DPTC_OK)
             return -1;
         if (s->nbytes && view_data != b->data + offset) {
             PyErr_Format(PyExc_ValueError,

@@ -376,14 +376,10 @@ def _open_engine(store, ranks, me, timeout, num_streams):
             threading.Thread(target=_watch_failure, args=(engine, store),
                              name="dptc-abort-watch", daemon=True).start()
     except BaseException:
+        # A creator whose engine failed to open has removed its segment already (shm.c).
         if engine is not None:
             engine.unlink()
             engine.close()
-        elif local_rank == 0 and not name.startswith("/proc/"):
-            try:
-                os.unlink("/dev/shm" + name)
-            except FileNotFoundError:
-                pass
         raise
     return engine, (rank, node, nnodes, local_rank, local_size)
 
