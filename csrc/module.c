@@ -956,7 +956,7 @@ static int module_exec(PyObject *module)
         add_type(module, &st->work_type, &work_spec) < 0 ||
         add_type(module, &st->shared_type, &shared_spec) < 0 || add_exceptions(module, st) < 0)
         return -1;
-    if (dptc_reducer_module_exec(module, st) < 0)
+    if (dptc_reducer_module_exec(module, st) < 0 || dptc_shard_module_exec(module, st) < 0)
         return -1;
     return 0;
 }
@@ -971,7 +971,8 @@ static int module_traverse(PyObject *module, visitproc visit, void *arg)
     Py_VISIT(st->timeout_error);
     Py_VISIT(st->peer_lost_error);
     Py_VISIT(st->mismatch_error);
-    return dptc_reducer_traverse(st, visit, arg);
+    int rc = dptc_shard_traverse(st, visit, arg);
+    return rc ? rc : dptc_reducer_traverse(st, visit, arg);
 }
 
 static int module_clear(PyObject *module)
@@ -985,6 +986,7 @@ static int module_clear(PyObject *module)
     Py_CLEAR(st->peer_lost_error);
     Py_CLEAR(st->mismatch_error);
     dptc_reducer_clear(st);
+    dptc_shard_clear(st);
     return 0;
 }
 
@@ -998,7 +1000,7 @@ static PyModuleDef_Slot module_slots[] = {
 static struct PyModuleDef dptc_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "dptc._C",
-    .m_doc = "dptc's C core: the collective engine, its transports and the DDP reducer.",
+    .m_doc = "dptc's C core: the collective engine, its transports, the DDP reducer and FSDP's units.",
     .m_size = sizeof(dptc_module_state),
     .m_slots = module_slots,
     .m_traverse = module_traverse,

@@ -16,6 +16,7 @@ typedef struct {
     PyTypeObject *shared_type;     /* dptc._C.SharedBuffer */
     PyTypeObject *reducer_type;    /* dptc._C.Reducer (reducer.c) */
     PyTypeObject *hook_type;       /* dptc._C.GradHook (reducer.c) */
+    PyTypeObject *unit_type;       /* dptc._C.Unit (shard.c) */
     /* Exceptions: DistError and its subclasses. */
     PyObject *dist_error;
     PyObject *timeout_error;
@@ -70,5 +71,10 @@ void dptc_leak(PyObject *obj);
 int dptc_reducer_module_exec(PyObject *module, dptc_module_state *st);
 int dptc_reducer_traverse(dptc_module_state *st, visitproc visit, void *arg);
 void dptc_reducer_clear(dptc_module_state *st);
+
+/* Implemented by shard.c: adds Unit, FSDP's unit state machine. */
+int dptc_shard_module_exec(PyObject *module, dptc_module_state *st);
+int dptc_shard_traverse(dptc_module_state *st, visitproc visit, void *arg);
+void dptc_shard_clear(dptc_module_state *st);
 
 #endif /* DPTC_MODULE_H */

@@ -28,16 +28,24 @@ __all__ = [
     "all_gather_single", "reduce_scatter_single", "all_gather_into_tensors", "barrier",
     "ProcessGroup", "init_process_group", "destroy_process_group", "is_initialized", "new_group",
     "get_rank", "get_world_size", "DistributedDataParallel", "DDP",
+    "fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method",
+    "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy",
 ]
+
+_FSDP_NAMES = ("fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method",
+               "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy")
 
 __version__ = "0.1.0"
 
 
 def __getattr__(name):
-    # DDP imports torch.nn machinery; load it on first use.
+    # DDP and FSDP import torch.nn and DTensor machinery; load them on first use.
     if name in ("DistributedDataParallel", "DDP"):
         from .ddp import DistributedDataParallel
         return DistributedDataParallel
-    if name in ("comm_hooks", "ddp", "bench"):
+    if name in _FSDP_NAMES:
+        from . import fsdp
+        return getattr(fsdp, name)
+    if name in ("comm_hooks", "ddp", "bench", "fsdp"):
         return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'dptc' has no attribute {name!r}")

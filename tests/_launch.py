@@ -343,7 +343,8 @@ def _rank_report(rank: int, proc, record, stderr_path: Path, killed_by_harness: 
 
 
 def run_ranks(target: str, world_size: int, *, args=None, timeout: float = 120, nnodes: int = 1,
-              env: dict | None = None, expect_failure: bool = False) -> list:
+              env: dict | None = None, expect_failure: bool = False,
+              reference: bool = False) -> list:
     """Runs `target` ("module:function", importable from the repo root) on `world_size` ranks.
 
     Each rank is `python -m tests._rank <target> <json args> <result file>` in its own process
@@ -374,6 +375,11 @@ def run_ranks(target: str, world_size: int, *, args=None, timeout: float = 120, 
 
     MASTER_PORT is a port that was free a moment before; if rank 0 then finds it taken (by a
     concurrent run), the run is repeated once on a new port.
+
+    reference=True is for runs of torch's own wrappers: torch 2.13's gloo sometimes aborts a
+    process at exit (SIGABRT, "terminate called without an active exception") after it wrote
+    its result.  Such a run is judged by the results the ranks reported, and a run that failed
+    anyway is repeated once.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -385,8 +391,8 @@ def run_ranks(target: str, world_size: int, *, args=None, timeout: float = 120, 
     args_json = json.dumps(args or {})
     for attempt in (1, 2):
         results, problems, port_taken = _run_ranks_once(target, world_size, args_json, timeout,
-                                                        nnodes, env, expect_failure)
-        if not (port_taken and attempt == 1):
+                                                        nnodes, env, expect_failure, reference)
+        if not ((port_taken or reference and problems) and attempt == 1):
             break
     if problems:
         raise AssertionError("\n\n".join(problems))
@@ -397,7 +403,8 @@ def _port_taken(texts) -> bool:
     return any(_ADDRESS_IN_USE in (text or "").lower() for text in texts)
 
 
-def _run_ranks_once(target, world_size, args_json, timeout, nnodes, env, expect_failure):
+def _run_ranks_once(target, world_size, args_json, timeout, nnodes, env, expect_failure,
+                    reference=False):
     """One run of run_ranks: (results, problems, whether the master port was taken)."""
     shm_before = _shm_entries()
     workdir = Path(tempfile.mkdtemp(prefix="ranks-"))
@@ -445,7 +452,8 @@ def _run_ranks_once(target, world_size, args_json, timeout, nnodes, env, expect_
                 })
         else:
             failed = [rank for rank, (proc, record) in enumerate(zip(tree.roots, records))
-                      if proc.returncode != 0 or not (record or {}).get("ok")]
+                      if not (record or {}).get("ok")
+                      or proc.returncode != 0 and not (reference and proc.returncode < 0)]
             if failed:
                 problems.append(f"{target} failed on rank(s) {failed} of {world_size} "
                                 f"after {wall:.1f} s:\n" + "\n".join(reports[r] for r in failed))

@@ -1,0 +1,329 @@
+"""fully_shard and FSDPModule: torch 2.13's API, argument checking, nothing else.
+
+The unit layout lives in _unit.py (and its state machine in csrc/shard.c), the hooks in
+_state.py.
+"""
+
+import logging
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+
+from ..group import default_group, resolve
+from ._api import MixedPrecisionPolicy, OffloadPolicy
+from ._state import State
+from ._unit import Unit
+
+__all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method"]
+
+logger = logging.getLogger("dptc")
+
+_FSDP_CLASSES = {}
+_default_mesh = None
+
+
+class FSDPModule:
+    """Mixed into every module fully_shard is applied to: ``FSDP<Name>`` subclasses both this
+    and the module's own class, so ``isinstance(model, Transformer)`` still holds."""
+
+    def __new__(cls, *args, **kwargs):
+        # Containers (nn.Sequential slicing, ModuleList) construct type(self)(...): build the
+        # original class, which has no FSDP state.
+        original = cls.__mro__[2]
+        self = original.__new__(original)
+        self.__init__(*args, **kwargs)
+        return self
+
+    def _fsdp_state(self):
+        return self.__dict__["_dptc_fsdp_state"]
+
+    def _subtree_states(self):
+        states = {}
+        for m in self.modules():
+            state = m.__dict__.get("_dptc_fsdp_state")
+            if state is not None:
+                states[id(state)] = state
+        return list(states.values())
+
+    def reshard(self):
+        """Frees this module's unsharded parameters and puts the sharded ones back (not
+        recursive)."""
+        state = self._fsdp_state()
+        if state.unit is not None:
+            state.unit.reshard()
+
+    def unshard(self, async_op=False):
+        """Gathers this module's parameters (not recursive).  With ``async_op=True`` returns an
+        UnshardHandle; the module's next forward waits for it if the caller has not."""
+        if not isinstance(async_op, bool):
+            raise TypeError(f"async_op must be a bool, got {async_op!r}")
+        state = self._fsdp_state()
+        if state.unit is not None:
+            state.unit.reset_sharded()
+            state.unit.unshard()
+        handle = UnshardHandle(state.unit)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def reset_iter_state(self):
+        """Recovers after an exception aborted a forward or backward: waits for or discards
+        in-flight reductions, reshards everything, clears per-iteration state.  Call it on the
+        root."""
+        state = self._fsdp_state()
+        if state.root is not None and state.root is not state:
+            raise RuntimeError("reset_iter_state must be called on the root fully_shard module "
+                               "(the one whose forward runs first)")
+        state.reset_iter_state()
+
+    def set_is_last_backward(self, is_last_backward):
+        """Accepted for torch compatibility: dptc always waits for every reduction at the end
+        of each backward, so every backward behaves as the last one."""
+        self._fsdp_state().is_last_backward = bool(is_last_backward)
+
+    def set_requires_gradient_sync(self, requires_gradient_sync, *, recurse=True):
+        """False: backward keeps the unsharded gradients and accumulates into them, without
+        communication (memory: one unsharded gradient per parameter); the next backward with
+        True reduces the sum.  For HSDP this covers both the reduce-scatter and the all-reduce."""
+        self._set_flag("requires_gradient_sync", requires_gradient_sync, recurse)
+
+    def set_requires_all_reduce(self, requires_all_reduce, *, recurse=True):
+        """HSDP: whether gradients are all-reduced across replicas after the reduce-scatter."""
+        self._set_flag("requires_all_reduce", requires_all_reduce, recurse)
+
+    def set_reshard_after_forward(self, reshard_after_forward, recurse=True):
+        self._set_flag("reshard_after_forward", reshard_after_forward, recurse)
+
+    def set_reshard_after_backward(self, reshard_after_backward, *, recurse=True):
+        self._set_flag("reshard_after_backward", reshard_after_backward, recurse)
+
+    def set_unshard_in_backward(self, unshard_in_backward):
+        self._set_flag("unshard_in_backward", unshard_in_backward, False)
+
+    def _set_flag(self, name, value, recurse):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {value!r}")
+        states = self._subtree_states() if recurse else [self._fsdp_state()]
+        for state in states:
+            setattr(state, name, value)
+
+    def set_modules_to_forward_prefetch(self, modules):
+        """Explicit forward prefetching: this module's pre-forward starts gathering these."""
+        self._fsdp_state().forward_prefetch = _states_of(modules, "modules")
+
+    def set_modules_to_backward_prefetch(self, modules):
+        """Explicit backward prefetching: this module's pre-backward starts gathering these."""
+        self._fsdp_state().backward_prefetch = _states_of(modules, "modules")
+
+    def set_gradient_divide_factor(self, factor):
+        """Gradients are summed and divided by ``factor`` instead of averaged."""
+        if not isinstance(factor, (int, float)) or factor <= 0:
+            raise ValueError(f"factor must be a positive number, got {factor!r}")
+        state = self._fsdp_state()
+        if state.unit is not None:
+            state.unit.divide_factor = float(factor)
+
+    def set_reduce_scatter_divide_factor(self, factor):
+        warnings.warn("set_reduce_scatter_divide_factor is deprecated in torch; use "
+                      "set_gradient_divide_factor", FutureWarning, stacklevel=2)
+        self.set_gradient_divide_factor(factor)
+
+
+def _unsupported(name):
+    def method(self, *args, **kwargs):
+        raise NotImplementedError(f"FSDPModule.{name} is not implemented by dptc")
+    method.__name__ = name
+    return method
+
+
+for _name in ("set_custom_all_gather", "set_custom_reduce_scatter", "set_all_reduce_hook",
+              "set_post_optim_event", "set_force_sum_reduction_for_comms",
+              "set_reduce_scatter_unused_params", "set_reduce_scatter_max_input_buffers",
+              "set_separate_reduce_scatter_group",
+              "set_allocate_memory_from_process_group_for_comm", "set_symm_mem_for_comm"):
+    setattr(FSDPModule, _name, _unsupported(_name))
+
+
+class UnshardHandle:
+    """What ``unshard(async_op=True)`` returns: ``wait()`` blocks until the gather is done and
+    the unsharded parameters are on the module."""
+
+    def __init__(self, unit):
+        self._unit = unit
+
+    def wait(self):
+        if self._unit is not None:
+            self._unit.wait_unshard()
+            self._unit = None
+
+
+def _states_of(modules, argname):
+    if not isinstance(modules, (list, tuple)):
+        raise TypeError(f"{argname} must be a list of fully_shard modules, got "
+                        f"{type(modules).__name__}")
+    states = []
+    for i, module in enumerate(modules):
+        if not isinstance(module, FSDPModule):
+            raise ValueError(f"{argname}[{i}] is a {type(module).__name__}, not a module "
+                             f"fully_shard was applied to")
+        states.append(module._fsdp_state())
+    return states
+
+
+def register_fsdp_forward_method(module, method_name):
+    """Makes ``module.<method_name>()`` run fully_shard's forward hooks, like ``forward``
+    (for example a ``generate`` method that calls submodules directly)."""
+    if not isinstance(module, FSDPModule):
+        raise ValueError(f"module must be a module fully_shard was applied to, got "
+                         f"{type(module).__name__}")
+    method = getattr(module, method_name, None)
+    if not callable(method):
+        raise ValueError(f"{type(module).__name__} has no method {method_name!r}")
+    state = module._fsdp_state()
+
+    def wrapped(*args, **kwargs):
+        args, kwargs = state._pre_forward(module, args, kwargs)
+        return state._post_forward(module, args, method(*args, **kwargs))
+
+    setattr(module, method_name, wrapped)
+
+
+def _mesh_groups(mesh):
+    """(mesh, shard group, replicate group or None) as dptc groups."""
+    global _default_mesh
+    if mesh is None:
+        group = default_group()
+        if _default_mesh is None or _default_mesh.size() != group.size:
+            _default_mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        mesh = _default_mesh
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a torch DeviceMesh (init_device_mesh) or None, got "
+                        f"{type(mesh).__name__}")
+    if mesh.device_type != "cpu":
+        raise ValueError(f"mesh is on device type {mesh.device_type!r}; dptc's fully_shard "
+                         f"runs on CPU meshes for now: init_device_mesh('cpu', ...)")
+    if mesh.ndim == 1:
+        return mesh, resolve(mesh.get_group(0), "mesh"), None
+    if mesh.ndim == 2:
+        return mesh, resolve(mesh.get_group(1), "mesh"), resolve(mesh.get_group(0), "mesh")
+    raise ValueError(f"mesh must have 1 dim (sharding) or 2 (replicate, shard) for HSDP, got "
+                     f"{mesh.ndim} dims")
+
+
+def _owned_modules(module):
+    """module and its descendants, not descending into modules fully_shard was applied to."""
+    yield module
+    for child in module.children():
+        if isinstance(child, FSDPModule):
+            continue
+        yield from _owned_modules(child)
+
+
+def _collect_params(modules, ignored):
+    """[(parameter, [(module, name), ...])] of the parameters these modules own; a parameter
+    that a unit fully_shard made earlier manages gains the new locations instead."""
+    found = {}
+    for root in modules:
+        for module in _owned_modules(root):
+            for name, param in module._parameters.items():
+                if param is None or param in ignored:
+                    continue
+                managed = getattr(param, "_dptc_fsdp_param", None)
+                if managed is not None and any(_contains(owner, root)
+                                               for owner in managed.owners):
+                    raise ValueError(
+                        f"fully_shard is applied bottom-up: {type(root).__name__} lies inside "
+                        f"a {type(managed.owners[0]).__name__} that fully_shard was applied to "
+                        f"first; apply it to the blocks, then to their parents")
+                if managed is not None:
+                    if (module, name) not in managed.locations:
+                        managed.locations.append((module, name))
+                    continue
+                if isinstance(param, DTensor):
+                    raise ValueError(f"{type(module).__name__}.{name} is already a DTensor; "
+                                     f"fully_shard shards plain parameters")
+                entry = found.setdefault(id(param), (param, []))
+                entry[1].append((module, name))
+    return list(found.values())
+
+
+def _check_param(param, where):
+    if param.dim() == 0:
+        raise ValueError(f"{where} is a 0-dim parameter, which fully_shard cannot shard along "
+                         f"dim 0; make it shape (1,) or pass it in ignored_params")
+    if param.device.type not in ("cpu", "meta"):
+        raise ValueError(f"{where} is on {param.device}, but dptc's fully_shard shards CPU "
+                         f"(or meta) parameters for now; move the module with .cpu()")
+
+
+def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placement_fn=None,
+                mp_policy=MixedPrecisionPolicy(), offload_policy=OffloadPolicy(),
+                ignored_params=None):
+    """Shards ``module``'s parameters across ``mesh`` (all ranks when None) with torch
+    2.13's ``fully_shard`` semantics; returns the module, changed in place into an
+    ``FSDP<Name>``.  Apply it to each block, then to the root."""
+    modules = list(module) if isinstance(module, (list, tuple)) else [module]
+    if not modules or not all(isinstance(m, nn.Module) for m in modules):
+        raise TypeError(f"module must be an nn.Module or a non-empty list of them, got "
+                        f"{module!r}")
+    for m in modules:
+        if isinstance(m, FSDPModule):
+            raise ValueError(f"fully_shard was already applied to this {type(m).__name__}; "
+                             f"apply it once per module")
+    if shard_placement_fn is not None:
+        raise NotImplementedError("fully_shard(shard_placement_fn=...) is not implemented by "
+                                  "dptc: parameters are sharded on dim 0 (Shard(0))")
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        if not all(hasattr(mp_policy, f) for f in ("param_dtype", "reduce_dtype",
+                                                    "output_dtype", "cast_forward_inputs")):
+            raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {mp_policy!r}")
+    if not isinstance(offload_policy, OffloadPolicy) and \
+            type(offload_policy).__name__ not in ("OffloadPolicy", "CPUOffloadPolicy"):
+        raise TypeError(f"offload_policy must be an OffloadPolicy, got {offload_policy!r}")
+    mesh, shard_group, replicate_group = _mesh_groups(mesh)
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        size = shard_group.size
+        if not isinstance(reshard_after_forward, int) or not 1 <= reshard_after_forward <= size \
+                or size % reshard_after_forward:
+            raise ValueError(f"reshard_after_forward must be None, a bool, or an int that "
+                             f"divides the shard group size {size}; got "
+                             f"{reshard_after_forward!r}")
+        if reshard_after_forward == 1:
+            reshard_after_forward = False
+        elif reshard_after_forward == size:
+            reshard_after_forward = True
+        else:
+            raise NotImplementedError(
+                f"reshard_after_forward={reshard_after_forward} (resharding to a smaller group "
+                f"after forward) is not implemented by dptc; pass True or False")
+    ignored = set(ignored_params or ())
+    params = _collect_params(modules, ignored)
+    for param, locations in params:
+        module_, name = locations[0]
+        _check_param(param, f"{type(module_).__name__}.{name}")
+    unit = Unit(params, mesh, shard_group, replicate_group, mp_policy) if params else None
+    if unit is not None:
+        for p in unit.params:
+            p.owners = modules
+            p.sharded._dptc_fsdp_param = p
+    state = State(modules, unit, mp_policy, reshard_after_forward)
+    for m in modules:
+        m.__dict__["_dptc_fsdp_state"] = state
+        cls = type(m)
+        fsdp_cls = _FSDP_CLASSES.get(cls)
+        if fsdp_cls is None:
+            fsdp_cls = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+            _FSDP_CLASSES[cls] = fsdp_cls
+        m.__class__ = fsdp_cls
+    logger.info("Applied fully_shard to %s (%d parameters)", type(modules[0]).__name__,
+                len(params))
+    return module
+
+
+def _contains(ancestor, module):
+    return any(m is module for m in ancestor.modules())

@@ -1,0 +1,199 @@
+"""The hooks of a fully_shard module and the root's per-iteration bookkeeping.
+
+Each fully_shard module has one State.  Its hooks are thin: they call the unit's transitions
+(dptc/fsdp/_unit.py over csrc/shard.c) in the order below.
+
+[Note: one training step]
+- Root pre-forward (first forward only): the root is the first fully_shard module whose forward
+  runs; it adopts parameters replaced since fully_shard (``to_empty``) and learns its subtree.
+- Pre-forward: unshard this unit (waiting for a prefetch if one was started), then start
+  gathering the next unit in forward order (or the explicit forward-prefetch list), so the
+  gather overlaps this unit's compute.  Inputs are cast to ``param_dtype``.
+- Post-forward: reshard unless ``reshard_after_forward`` is False (the root's default), and hook
+  the outputs so the first gradient reaching them runs pre-backward.
+- Pre-backward: unshard this unit again and prefetch the unit that ran forward before it (or
+  the explicit backward-prefetch list); the first one also queues the root's end-of-backward
+  callback on the autograd engine.
+- Post-backward: each unsharded parameter's post-accumulate-grad hook marks its gradient
+  complete; the unit's last one reshards it and starts the reduce-scatter on the reduce
+  stream, which runs while autograd computes earlier units.
+- End of backward (root callback): reduce any unit whose hooks did not all fire (unused
+  parameters), wait for every reduction, accumulate the results into the sharded ``.grad``
+  DTensors, reshard what is still unsharded.
+"""
+
+import torch
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._pytree import tree_flatten, tree_map
+
+__all__ = []
+
+
+def _cast(value, dtype):
+    if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != dtype:
+        return value.to(dtype)
+    return value
+
+
+class State:
+    def __init__(self, modules, unit, mp_policy, reshard_after_forward):
+        self.modules = modules                 # fully_shard([a, b]) makes one unit of several
+        self.module = modules[0]
+        self.forwarded = 0                     # of self.modules, this forward
+        self.unit = unit                       # None when the module manages no parameters
+        self.mp_policy = mp_policy
+        self.reshard_after_forward = reshard_after_forward   # None: decided at lazy init
+        self.reshard_after_backward = True
+        self.requires_gradient_sync = True
+        self.requires_all_reduce = True
+        self.unshard_in_backward = True
+        self.forward_prefetch = None           # explicit lists of States, or None
+        self.backward_prefetch = None
+        self.root = None                       # the root State, once lazily initialised
+        # Root only: the States of its subtree and this iteration's bookkeeping.
+        self.states = []
+        self.forward_order = []                # States by first pre-forward
+        self.post_forward_order = []           # this iteration's post-forwards
+        self.callback_queued = False
+        self.in_backward = False               # a forward now is a recomputation
+        self.is_last_backward = True
+        self.handles = []
+        if unit is not None:
+            unit.grad_hooks(self._post_backward)
+        for module in modules:
+            self.handles.append(module.register_forward_pre_hook(
+                self._pre_forward, prepend=True, with_kwargs=True))
+            self.handles.append(module.register_forward_hook(self._post_forward))
+
+    # -- lazy initialisation ------------------------------------------------------------------
+
+    def lazy_init(self):
+        if self.root is not None:
+            return
+        self.root = self
+        for module in (m for top in self.modules for m in top.modules()):
+            state = module.__dict__.get("_dptc_fsdp_state")
+            if state is None or state.root is not None and state is not self:
+                continue
+            if state in self.states:
+                continue
+            state.root = self
+            self.states.append(state)
+            if state.reshard_after_forward is None:
+                state.reshard_after_forward = state is not self
+            if state.unit is not None:
+                state.unit.reset_sharded()
+
+    # -- forward ------------------------------------------------------------------------------
+
+    def _pre_forward(self, module, args, kwargs):
+        self.lazy_init()
+        root = self.root
+        if root is self:
+            root.post_forward_order = []
+        if self not in root.forward_order:
+            root.forward_order.append(self)
+        if self.unit is not None:
+            self.unit.unshard()
+            self.unit.wait_unshard()
+            if not root.in_backward:
+                self.unit.reset_ready()
+        for state in self._next_in_forward():
+            if state.unit is not None:
+                state.unit.unshard()
+        policy = self.mp_policy
+        if policy.param_dtype is not None and policy.cast_forward_inputs:
+            args, kwargs = tree_map(lambda v: _cast(v, policy.param_dtype), (args, kwargs))
+        return args, kwargs
+
+    def _next_in_forward(self):
+        if self.forward_prefetch is not None:
+            return self.forward_prefetch
+        order = self.root.forward_order
+        index = order.index(self)
+        return order[index + 1:index + 2] if index + 1 < len(order) else []
+
+    def _post_forward(self, module, args, output):
+        root = self.root
+        self.forwarded += 1
+        if self.forwarded < len(self.modules):
+            return self._cast_output(output)
+        self.forwarded = 0
+        root.post_forward_order.append(self)
+        if self.unit is not None and self.reshard_after_forward and not root.in_backward:
+            self.unit.reshard()
+        output = self._cast_output(output)
+        if torch.is_grad_enabled():
+            tensors = [t for t in tree_flatten(output)[0]
+                       if isinstance(t, torch.Tensor) and t.requires_grad]
+            if tensors:
+                register_multi_grad_hook(tensors, self._pre_backward, mode="any")
+        return output
+
+    def _cast_output(self, output):
+        if self.mp_policy.output_dtype is not None:
+            output = tree_map(lambda v: _cast(v, self.mp_policy.output_dtype), output)
+        return output
+
+    # -- backward -----------------------------------------------------------------------------
+
+    def _pre_backward(self, _grad):
+        root = self.root
+        if not root.callback_queued:
+            root.callback_queued = True
+            root.in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(root._end_of_backward)
+        if self.unit is not None:
+            if self.unit.state == "sharded" and not self.unshard_in_backward:
+                return
+            self.unit.unshard()
+            self.unit.wait_unshard()
+        for state in self._next_in_backward():
+            if state.unit is not None and state.unshard_in_backward:
+                state.unit.unshard()
+
+    def _next_in_backward(self):
+        if self.backward_prefetch is not None:
+            return self.backward_prefetch
+        order = self.root.post_forward_order
+        if self not in order:
+            return []
+        index = order.index(self)
+        return order[index - 1:index] if index > 0 else []
+
+    def _post_backward(self, unit):
+        if self.requires_gradient_sync:
+            unit.reduce()
+        if self.reshard_after_backward:
+            unit.reshard()
+
+    def _end_of_backward(self):
+        """The root's callback, after autograd's last node (see [Note: one training step])."""
+        self.callback_queued = False
+        try:
+            for state in self.states:
+                unit = state.unit
+                if unit is None:
+                    continue
+                if state.requires_gradient_sync and unit.has_unsharded_grads():
+                    unit.reduce()
+                unit.finish_reduce()
+                if state.reshard_after_backward:
+                    unit.reshard()
+        finally:
+            self.in_backward = False
+
+    def reset_iter_state(self):
+        self.callback_queued = False
+        self.in_backward = False
+        self.post_forward_order = []
+        for state in self.states:
+            if state.unit is not None:
+                for bucket in state.unit.buckets:
+                    try:
+                        bucket.c.wait_reduce()
+                    except Exception:  # the failed iteration's gradients are discarded
+                        pass
+                    bucket.reduce_output = bucket.reduce_had_grad = None
+                state.unit.reshard()
+                state.unit.reset_ready()

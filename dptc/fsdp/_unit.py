@@ -1,0 +1,322 @@
+"""One fully_shard unit: the sharded layout of its parameters and the tensors its C state
+machine (``dptc._C.Unit``, csrc/shard.c) gathers into and reduces from.
+
+[Note: sharded layout]
+Parameter p of dim-0 size d, sharded over N ranks, is split as ``torch.chunk`` splits it: rank r
+holds rows [r * c, min(d, (r + 1) * c)) with c = ceil(d / N), so for d = 5 on 4 ranks the ranks
+hold 2, 2, 1 and 0 rows.  Every rank reserves c rows (the padded piece), and the pieces of a
+unit's parameters that share dtypes lie one after another in one flat shard buffer (a bucket).
+The DTensor a user sees wraps the unpadded view of p's piece, so the optimizer, clip_grad_norm_
+and DCP read and write the flat buffer in place, and the buffer is the all-gather's input as it
+stands (or, under a param_dtype, after one cast).
+
+The all-gather writes rank r's piece of p straight into rows [r * c, (r + 1) * c) of p's padded
+unsharded storage (N * c rows); the unsharded parameter is the view of its first d rows.  Freeing
+it resizes that storage to 0 bytes and unsharding resizes it back, so the tensors autograd saved
+in forward see the gathered values again when backward gathers.
+
+Gradients go the other way: ``torch._chunk_cat`` lays the unsharded gradients out by rank (piece
+r of every parameter, padded, in the same order as the shard buffer) in the reduce dtype, and the
+reduce-scatter leaves this rank's reduced pieces in a flat buffer whose views become the sharded
+gradients.
+"""
+
+import math
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from .. import _C
+from .._dtypes import REDOP_AVG, REDOP_SUM, dtype_code
+
+__all__ = []
+
+
+class _Param:
+    """One managed parameter: the modules that hold it, its piece of the shard buffer, and its
+    unsharded storage."""
+
+    def __init__(self, param, locations, size, rank):
+        self.locations = locations            # [(module, attribute name)], several when tied
+        self.owners = []                      # the modules fully_shard was applied to
+        self.shape = param.shape
+        self.stride = param.stride() if not param.is_meta else _contiguous_stride(param.shape)
+        self.orig_dtype = param.dtype
+        self.dim0 = self.shape[0]
+        self.row_numel = math.prod(self.shape[1:])
+        self.rows = -(-self.dim0 // size)     # padded rows per rank, see [Note: sharded layout]
+        start = min(self.dim0, rank * self.rows)
+        self.local_rows = min(self.dim0, start + self.rows) - start
+        self.start = start
+        self.piece = self.rows * self.row_numel
+        self.offset = 0                       # in the bucket's shard buffer
+        self.sharded = None                   # nn.Parameter(DTensor)
+        self.padded = None                    # (size * rows, ...) unsharded storage
+        self.unsharded = None                 # nn.Parameter, the first dim0 rows of padded
+        self.hook = None                      # its post-accumulate-grad hook
+
+    @property
+    def local_shape(self):
+        return (self.local_rows,) + tuple(self.shape[1:])
+
+    def local_view(self, flat):
+        begin = self.offset
+        return flat[begin:begin + self.local_rows * self.row_numel].view(self.local_shape)
+
+    def register(self, param):
+        for module, name in self.locations:
+            module._parameters[name] = param
+
+
+def _contiguous_stride(shape):
+    stride, acc = [], 1
+    for dim in reversed(shape):
+        stride.append(acc)
+        acc *= dim
+    return tuple(reversed(stride))
+
+
+class _Bucket:
+    """The parameters of a unit that share (original, compute, reduce) dtypes: one shard buffer,
+    one C state machine, one all-gather and one reduce-scatter each."""
+
+    def __init__(self, params, orig_dtype, compute_dtype, reduce_dtype, group, size):
+        self.params = params
+        self.orig_dtype = orig_dtype
+        self.compute_dtype = compute_dtype
+        self.reduce_dtype = reduce_dtype
+        self.size = size
+        offset = 0
+        for p in params:
+            p.offset = offset
+            offset += p.piece
+        self.numel = offset                  # of one rank's shard
+        self.flat = None                     # shard buffer, orig dtype
+        self.c = _C.Unit(group._c, len(params), gather_stream=0,
+                         reduce_stream=1 if group.num_streams > 1 else 0)
+        self.reduce_output = None            # the reduce-scatter's output until finalized
+        self.reduce_had_grad = None          # which parameters had a gradient to reduce
+
+    def gathered(self):
+        return [p for p in self.params if p.piece > 0]
+
+
+class Unit:
+    """The parameters one fully_shard call manages, on the mesh's shard group (and, for HSDP,
+    its replicate group)."""
+
+    def __init__(self, params_and_locations, mesh, shard_group, replicate_group, mp_policy):
+        self.mesh = mesh
+        self.group = shard_group
+        self.replicate_group = replicate_group
+        size, rank = shard_group.size, shard_group.rank
+        self.placements = ((Replicate(), Shard(0)) if replicate_group is not None
+                           else (Shard(0),))
+        self.params = [_Param(param, locations, size, rank)
+                       for param, locations in params_and_locations]
+        by_dtypes = {}
+        for p in self.params:
+            compute = p.orig_dtype
+            if mp_policy.param_dtype is not None and p.orig_dtype.is_floating_point:
+                compute = mp_policy.param_dtype
+            reduce = compute
+            if mp_policy.reduce_dtype is not None and p.orig_dtype.is_floating_point:
+                reduce = mp_policy.reduce_dtype
+            by_dtypes.setdefault((p.orig_dtype, compute, reduce), []).append(p)
+        self.buckets = [_Bucket(ps, *dtypes, shard_group, size)
+                        for dtypes, ps in by_dtypes.items()]
+        self.divide_factor = None
+        originals = {id(p): param for p, (param, _) in zip(self.params, params_and_locations)}
+        for bucket in self.buckets:
+            self._shard(bucket, originals)
+
+    # -- layout -------------------------------------------------------------------------------
+
+    def _shard(self, bucket, originals):
+        on_meta = any(originals[id(p)].is_meta for p in bucket.params)
+        bucket.flat = torch.zeros(bucket.numel, dtype=bucket.orig_dtype,
+                                  device="meta" if on_meta else "cpu")
+        for p in bucket.params:
+            orig = originals[id(p)]
+            local = p.local_view(bucket.flat)
+            if not orig.is_meta and p.local_rows:
+                with torch.no_grad():
+                    local.copy_(orig.detach().narrow(0, p.start, p.local_rows))
+            p.sharded = nn.Parameter(self._dtensor(local, p), requires_grad=orig.requires_grad)
+            p.padded = torch.empty((self.group.size * p.rows,) + tuple(p.shape[1:]),
+                                   dtype=bucket.compute_dtype)
+            p.unsharded = nn.Parameter(p.padded[:p.dim0], requires_grad=orig.requires_grad)
+            p.padded.untyped_storage().resize_(0)
+            p.register(p.sharded)
+
+    def _dtensor(self, local, p):
+        return DTensor.from_local(local, self.mesh, self.placements, run_check=False,
+                                  shape=p.shape, stride=p.stride)
+
+    def reset_sharded(self):
+        """Adopts parameters that replaced ours on the modules (``to_empty``,
+        ``load_state_dict(assign=True)``): their values move into the shard buffer and their
+        local tensors become views of it again.  Returns True when anything changed."""
+        changed = False
+        for bucket in self.buckets:
+            if bucket.flat.is_meta:
+                bucket.flat = torch.zeros(bucket.numel, dtype=bucket.orig_dtype)
+                changed = True
+            for p in bucket.params:
+                module, name = p.locations[0]
+                current = module._parameters[name]
+                if current is p.unsharded:
+                    continue
+                view = p.local_view(bucket.flat)
+                if current is not p.sharded:
+                    if not isinstance(current, DTensor):
+                        raise TypeError(f"{type(module).__name__}.{name} was replaced by a "
+                                        f"{type(current).__name__}; fully_shard's parameters "
+                                        f"must stay DTensors (load values with copy_ or "
+                                        f"set_model_state_dict)")
+                    p.sharded = current
+                    changed = True
+                local = p.sharded._local_tensor
+                if local.data_ptr() != view.data_ptr() or local.is_meta:
+                    if not local.is_meta and p.local_rows:
+                        with torch.no_grad():
+                            view.copy_(local)
+                    p.sharded._local_tensor = view
+                    changed = True
+                p.register(p.sharded)
+        return changed
+
+    # -- parameters ---------------------------------------------------------------------------
+
+    @property
+    def state(self):
+        return self.buckets[0].c.state if self.buckets else "sharded"
+
+    def unshard(self):
+        """Starts gathering every bucket (a no-op for one already unsharding or unsharded)."""
+        for bucket in self.buckets:
+            if bucket.c.state != "sharded":
+                continue
+            gathered = bucket.gathered()
+            for p in gathered:
+                storage = p.padded.untyped_storage()
+                if storage.size() == 0:
+                    storage.resize_(p.padded.numel() * p.padded.element_size())
+            if not gathered:
+                continue
+            source = bucket.flat
+            if bucket.compute_dtype != bucket.orig_dtype:
+                source = source.to(bucket.compute_dtype)
+            bucket.c.unshard(dtype_code(bucket.compute_dtype), source,
+                             [p.padded for p in gathered], bucket.numel)
+
+    def wait_unshard(self):
+        """Waits for the gathers and puts the unsharded parameters on the modules."""
+        for bucket in self.buckets:
+            if bucket.c.state == "sharded":
+                if bucket.gathered():
+                    raise RuntimeError("wait_unshard before unshard")
+            else:
+                bucket.c.wait_unshard()
+            for p in bucket.params:
+                p.unsharded.requires_grad_(p.sharded.requires_grad)
+                self._hook(p)
+                p.register(p.unsharded)
+
+    def reshard(self):
+        """Frees the unsharded storage and puts the sharded parameters back on the modules."""
+        for bucket in self.buckets:
+            bucket.c.reshard()
+            for p in bucket.params:
+                p.padded.untyped_storage().resize_(0)
+                p.register(p.sharded)
+
+    # -- gradients ----------------------------------------------------------------------------
+
+    def reset_ready(self):
+        """A new backward is coming: no gradient is complete yet, and a frozen parameter's
+        never will be."""
+        for bucket in self.buckets:
+            bucket.c.reset_ready()
+            for i, p in enumerate(bucket.params):
+                if not p.sharded.requires_grad:
+                    bucket.c.grad_ready(i)
+
+    def grad_hooks(self, on_complete):
+        """Calls on_complete(self) when the last gradient of the unit is complete: a
+        post-accumulate-grad hook on each unsharded parameter (registered once the parameter
+        requires grad; a frozen one may be unfrozen later) counts it in the C unit."""
+        self.on_complete = on_complete
+        for p in self.params:
+            self._hook(p)
+
+    def _hook(self, p):
+        if p.hook is not None or not p.unsharded.requires_grad:
+            return
+        bucket = next(b for b in self.buckets if p in b.params)
+        index = bucket.params.index(p)
+
+        def hook(_param):
+            if bucket.c.grad_ready(index) and all(
+                    b.c.ready == len(b.params) for b in self.buckets):
+                self.on_complete(self)
+        p.hook = p.unsharded.register_post_accumulate_grad_hook(hook)
+
+    def has_unsharded_grads(self):
+        return any(p.unsharded.grad is not None for p in self.params)
+
+    def reduce(self):
+        """Starts reducing the unsharded gradients into this rank's pieces, and frees them."""
+        size = self.group.size
+        for bucket in self.buckets:
+            grads = []
+            had = []
+            for p in bucket.params:
+                grad = p.unsharded.grad
+                had.append(grad is not None)
+                if grad is None:
+                    grad = torch.zeros(p.shape, dtype=bucket.reduce_dtype)
+                grads.append(grad.reshape(p.dim0, p.row_numel) if p.dim0 else
+                             grad.reshape(0, max(1, p.row_numel)))
+                p.unsharded.grad = None
+            if not any(had) or bucket.c.reducing:
+                if bucket.c.reducing:
+                    raise RuntimeError("a unit's gradients were reduced twice in one backward")
+                continue
+            pieces = [(g, p) for g, p in zip(grads, bucket.params) if p.piece > 0]
+            source = torch.empty((size, bucket.numel), dtype=bucket.reduce_dtype)
+            if pieces:
+                torch._chunk_cat([g for g, _ in pieces], dim=0, num_chunks=size, out=source)
+            output = torch.empty(bucket.numel, dtype=bucket.reduce_dtype)
+            code = dtype_code(bucket.reduce_dtype)
+            custom = self.divide_factor is not None
+            redop = REDOP_SUM if custom or not bucket.reduce_dtype.is_floating_point \
+                else REDOP_AVG
+            after = None
+            if self.replicate_group is not None:
+                after = (self.replicate_group._c, code, redop, 1
+                         if self.replicate_group.num_streams > 1 else 0)
+            bucket.c.reduce(code, redop, source, output, bucket.numel, after)
+            bucket.reduce_output = output
+            bucket.reduce_had_grad = had
+
+    def finish_reduce(self):
+        """Waits for the reductions and accumulates them into the sharded gradients."""
+        for bucket in self.buckets:
+            if not bucket.c.wait_reduce():
+                continue
+            output, had = bucket.reduce_output, bucket.reduce_had_grad
+            bucket.reduce_output = bucket.reduce_had_grad = None
+            if self.divide_factor is not None:
+                output.div_(self.divide_factor)
+            for p, has in zip(bucket.params, had):
+                if not has or not p.sharded.requires_grad:
+                    continue
+                local = p.local_view(output)
+                if local.dtype != p.orig_dtype:
+                    local = local.to(p.orig_dtype)
+                if p.sharded.grad is None:
+                    p.sharded.grad = self._dtensor(local, p)
+                else:
+                    p.sharded.grad._local_tensor.add_(local)

@@ -1,0 +1,136 @@
+"""fully_shard: training equivalence, torch's layout, mixed precision against torch, memory.
+
+Layer: several ranks.  Rank-side code is in tests/workers_fsdp.py.  Each launch runs several
+scenarios and the tests below share it (a launch costs ~5 s of start-up on this machine):
+    dptc at 2 and 3 ranks, and torch's own fully_shard (gloo) at 2 and 3 ranks.
+Every scenario trains 3 steps of 2 accumulated micro-batches with clip_grad_norm_ and AdamW
+against a single-process reference on the concatenated batch; the torch runs check the test
+logic with the same numbers, and give the reference for the bf16 policy.
+"""
+
+import math
+
+import pytest
+import torch
+
+from tests._launch import run_ranks
+
+LAUNCH_TIMEOUT_S = 240
+
+# Scenarios per (impl, world size); see workers_fsdp.SCENARIOS.
+PLAN = {
+    ("dptc", 2): ["gpt", "gpt_fp32", "gpt_nosync", "gpt_frozen", "gpt_bf16", "mixed"],
+    ("dptc", 3): ["gpt", "gpt_no_reshard", "gpt_nosync", "gpt_prefetch", "gpt_ignored", "odd",
+                  "mixed", "gpt_bf16"],
+    ("torch", 2): ["gpt_fp32", "gpt_bf16"],
+    ("torch", 3): ["gpt", "odd", "gpt_bf16", "mixed"],
+}
+
+# The GPT scenarios train in float64 (see ADAM_EPS in workers_fsdp): the ranks and the
+# reference differ only by summation order, ~1e-13 after 3 steps; a wrong shard, gradient or
+# average shows as ~1e-3.  float32 scenarios: the issue's bound, 1e-5 (measured 6e-7).
+TOLERANCE = {"gpt_fp32": 1e-5, "odd": 1e-5, "mixed": 1e-5}
+FLOAT64_TOLERANCE = 1e-10
+
+_launches = {}
+
+
+def _results(impl, world_size):
+    key = (impl, world_size)
+    if key not in _launches:
+        try:
+            _launches[key] = run_ranks("tests.workers_fsdp:train_cases", world_size,
+                                       args={"impl": impl, "scenarios": PLAN[key]},
+                                       timeout=LAUNCH_TIMEOUT_S, reference=impl == "torch")
+        except AssertionError as error:
+            _launches[key] = error
+    outcome = _launches[key]
+    if isinstance(outcome, AssertionError):
+        raise AssertionError(f"the {impl} launch at {world_size} ranks failed:\n{outcome}")
+    return outcome
+
+
+def _scenario(impl, world_size, name, must_pass=True):
+    per_rank = [ranks[name] for ranks in _results(impl, world_size)]
+    if must_pass:
+        for rank, result in enumerate(per_rank):
+            assert result["ok"], f"{impl} {name} raised on rank {rank}:\n{result['error']}"
+    return per_rank
+
+
+CASES = [(impl, ws, name) for (impl, ws), names in PLAN.items() for name in names
+         if name not in ("gpt_bf16",) and not (impl == "torch" and name == "mixed")]
+
+
+@pytest.mark.parametrize("impl,world_size,name", CASES,
+                         ids=[f"{i}-ws{w}-{n}" for i, w, n in CASES])
+def test_matches_single_process(impl, world_size, name):
+    """Parameters and gradients match single-process training on the concatenated batch."""
+    tolerance = TOLERANCE.get(name, FLOAT64_TOLERANCE)
+    for rank, result in enumerate(_scenario(impl, world_size, name)):
+        assert result["ref_rel"] <= tolerance, (rank, result["ref_rel"])
+        assert result["grad_rel"] <= tolerance, (rank, result["grad_rel"])
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_layout_is_torchs(world_size):
+    """Parameters are DTensors with torch.chunk's local rows (dim 0 = 5 on 3 ranks: 2, 2, 1;
+    dim 0 = 2: 1, 1, 0), the class is FSDP<Name> and still the original class, and dptc's
+    local shapes equal those torch's fully_shard gives."""
+    name = "odd" if world_size == 3 else "gpt"
+    dptc = _scenario("dptc", world_size, name)
+    for rank, result in enumerate(dptc):
+        assert set(result["types"].values()) == {"DTensor"}, result["types"]
+        assert result["class"] in ("FSDPOdd", "FSDPGPT") and result["is_original"]
+        if name == "odd":
+            expected = {"layers.0.weight": 5, "layers.1.weight": 2, "layers.2.weight": 3,
+                        "scale": 3}
+            for param, dim0 in expected.items():
+                chunks = [len(c) for c in torch.arange(dim0).chunk(3)] + [0, 0]
+                assert result["local_rows"][param] == chunks[rank], (param, rank)
+    if world_size == 3:
+        torch_results = _scenario("torch", 3, "odd")
+        for mine, theirs in zip(dptc, torch_results):
+            assert mine["local_rows"] == theirs["local_rows"]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_bf16_policy_matches_torch(world_size):
+    """param_dtype=bfloat16, reduce_dtype=float32, same policy on both sides: dptc's trained
+    parameters equal torch fully_shard's within 1e-6.  Both gather the same bf16 casts and run
+    the same bf16 compute; only the float32 sum of the ranks' gradients may associate
+    differently (measured: identical at 2 ranks, 1e-7 at 3)."""
+    mine = _scenario("dptc", world_size, "gpt_bf16")[0]
+    theirs = _scenario("torch", world_size, "gpt_bf16")[0]
+    worst = 0.0
+    for name, values in mine["params"].items():
+        a, b = torch.tensor(values), torch.tensor(theirs["params"][name])
+        worst = max(worst, ((a - b).abs().max() / b.abs().max()).item())
+    assert worst <= 1e-6, worst
+    assert mine["dtypes"] == theirs["dtypes"]
+    assert all(math.isfinite(v) for v in mine["losses"])
+
+
+def test_mixed_dtypes_beyond_torch():
+    """A unit holding float32 and float64 parameters trains to the reference (2 and 3 ranks);
+    torch's fully_shard refuses it ("uniform original parameter dtype")."""
+    for world_size in (2, 3):
+        for result in _scenario("dptc", world_size, "mixed"):
+            assert result["ref_rel"] <= 1e-5 and result["grad_rel"] <= 1e-5
+            assert result["dtypes"]["gate"] == "torch.float64"
+    refused = _scenario("torch", 3, "mixed", must_pass=False)
+    assert not refused[0]["ok"] and "uniform" in refused[0]["error"], refused[0]["error"][-500:]
+
+
+@pytest.mark.parametrize("impl", ["dptc", "torch"])
+def test_memory_between_steps(impl):
+    """Between steps a rank holds its padded share of the parameters, their gradients and
+    AdamW's two moments (4 copies of the share), plus AdamW's step counters: nothing
+    unsharded is left behind.  torch's fully_shard is measured the same way."""
+    results = run_ranks("tests.workers_fsdp:memory_case", 2, args={"impl": impl},
+                        timeout=LAUNCH_TIMEOUT_S, reference=impl == "torch")
+    for result in results:
+        bound = 4 * result["padded_share"] + result["step_bytes"]
+        assert result["held"] <= bound * 1.02, result
+        # The count sees the state (a counting that misses tensors would pass the bound).
+        assert result["held"] >= 0.95 * 4 * result["padded_share"], result

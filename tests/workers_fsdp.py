@@ -1,0 +1,309 @@
+"""Rank-side bodies of tests/test_fsdp.py: fully_shard training against references.
+
+Every rank draws the same seeded global batches, trains its sharded model on its slice, and
+beside it trains a plain copy of the model in-process on the whole global batch (the
+reference).  Each rank's loss is the mean over its rows and fully_shard averages gradients over
+ranks, so the reference's loss is the mean over the global batch.  A step is 2 micro-batches
+of gradient accumulation (losses halved), clip_grad_norm_(1.0), then AdamW.
+
+``impl`` picks the fully_shard under test: "dptc" or "torch" (torch.distributed.fsdp on gloo).
+A scenario's result, per rank (JSON), keyed by scenario name:
+    ok         False when the scenario raised; then "error" holds the traceback
+    ref_rel    max over parameters of max|p - p_ref| / max|p_ref| (full tensors)
+    grad_rel   the same for the gradients before each optimizer step (max over steps)
+    params     {name: flat list}, the trained full parameters (cross-impl comparisons)
+    local_rows {name: rows of the local shard}, types {name: type of the parameter}
+    extra      scenario-specific numbers
+"""
+
+import dataclasses
+import gc
+import os
+import traceback
+
+import torch
+import torch.nn as nn
+
+from examples.gpt import build_gpt
+from tests._rank import load_impl
+
+__all__ = ["train_cases", "memory_case"]
+
+SEED = 4321
+LR = 1e-3
+# At initialisation the attention is nearly uniform, so many query, key and MLP weights get
+# gradients of 1e-7 to 1e-6 that are sums of cancelling terms: in float32 their rounding noise
+# (the ranks sum in another order than the reference) is ~1e-3 of their value, and AdamW's
+# update lr * g / (|g| + eps) turns it into weight differences of ~1e-5 at 3 ranks.  The GPT
+# scenarios therefore train in float64, where the same arithmetic differs by ~1e-12 and any
+# wrong gradient or shard still shows as ~1e-3; "gpt_fp32" (2 ranks) and "mixed" keep float32.
+ADAM_EPS = 1e-8
+STEPS = 3
+MICRO = 2
+ROWS_PER_RANK = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    model: str = "gpt"                  # "gpt" (tied weights), "odd" (uneven dims), "mixed"
+    reshard_after_forward: object = None
+    accumulation: str = "sync"          # "sync": reduce every micro-batch; "nosync": only last
+    prefetch: bool = False              # explicit forward/backward prefetch lists
+    ignored: bool = False               # pos_emb frozen and passed in ignored_params
+    frozen: bool = False                # block 0's attention frozen
+    mp: bool = False                    # bf16 param_dtype, fp32 reduce_dtype
+    dtype: torch.dtype = torch.float64  # of the GPT's parameters
+    reference: bool = True              # train the single-process reference beside it
+
+
+SCENARIOS = {
+    "gpt": Scenario(),
+    "gpt_no_reshard": Scenario(reshard_after_forward=False),
+    "gpt_nosync": Scenario(accumulation="nosync"),
+    "gpt_prefetch": Scenario(prefetch=True),
+    "gpt_ignored": Scenario(ignored=True),
+    "gpt_frozen": Scenario(frozen=True),
+    "odd": Scenario(model="odd"),
+    "mixed": Scenario(model="mixed"),
+    "gpt_fp32": Scenario(dtype=torch.float32),
+    "gpt_bf16": Scenario(mp=True, reference=False, dtype=torch.float32),
+}
+
+
+class Odd(nn.Module):
+    """Dims that do not divide 2 or 3 ranks, and one (2) smaller than 3 ranks."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(7, 5), nn.Linear(5, 2), nn.Linear(2, 3)])
+        self.scale = nn.Parameter(torch.ones(3))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x * self.scale
+
+
+class Mixed(nn.Module):
+    """One unit holding float32 and float64 parameters (torch's fully_shard refuses this)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(6, 5)
+        self.gate = nn.Parameter(torch.randn(5, 5, dtype=torch.float64) * 0.3)
+        self.out = nn.Linear(5, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.inner(x)).double() @ self.gate
+        return self.out(h.float())
+
+
+def _build(name, dtype=torch.float32):
+    torch.manual_seed(SEED)
+    if name == "gpt":
+        return build_gpt(vocab=64, d_model=32, n_layer=2, n_head=4, ctx=16,
+                         bias=False).to(dtype)
+    if name == "odd":
+        return Odd()
+    if name == "mixed":
+        return Mixed()
+    raise ValueError(name)
+
+
+def _units(model):
+    """The modules fully_shard goes on, bottom-up (the root last)."""
+    if isinstance(model, Odd):
+        return list(model.layers) + [model]
+    if isinstance(model, Mixed):
+        return [model]
+    return list(model.blocks) + [model]
+
+
+def _batch(name, step, micro, world, generator):
+    rows = ROWS_PER_RANK * world
+    if name == "gpt":
+        idx = torch.randint(0, 64, (rows, 9), generator=generator)
+        return idx[:, :-1], idx[:, 1:]
+    inputs = {"odd": 7, "mixed": 6}[name]
+    outputs = 3
+    return torch.randn(rows, inputs, generator=generator), \
+        torch.randn(rows, outputs, generator=generator)
+
+
+def _loss(model, name, x, y):
+    out = model(x)
+    if name == "gpt":
+        return model.loss(out if out.dtype == torch.float64 else out.float(), y)
+    return (out.float() - y).square().mean()
+
+
+def _apply(fsdp, model, scenario, impl):
+    if scenario.frozen:
+        for p in model.blocks[0].attn.parameters():
+            p.requires_grad_(False)
+    kwargs = {}
+    if scenario.reshard_after_forward is not None:
+        kwargs["reshard_after_forward"] = scenario.reshard_after_forward
+    if scenario.mp:
+        kwargs["mp_policy"] = fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                        reduce_dtype=torch.float32)
+    units = _units(model)
+    for module in units:
+        extra = {}
+        if scenario.ignored and module is model:
+            model.pos_emb.weight.requires_grad_(False)
+            extra["ignored_params"] = {model.pos_emb.weight}
+        fsdp.fully_shard(module, **kwargs, **extra)
+    if scenario.prefetch:
+        for before, after in zip(units[:-2], units[1:-1]):
+            before.set_modules_to_forward_prefetch([after])
+            after.set_modules_to_backward_prefetch([before])
+
+
+def _max_rel(values, refs):
+    worst = 0.0
+    for value, ref in zip(values, refs):
+        scale = ref.abs().max().item()
+        diff = (value.double() - ref.double()).abs().max().item()
+        worst = max(worst, diff / scale if scale else diff)
+    return worst
+
+
+def _full(tensor):
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def _run(impl, name, scenario):
+    api = load_impl(impl)
+    rank, world = api.get_rank(), api.get_world_size()
+    if impl == "dptc":
+        import dptc as fsdp
+    else:
+        import torch.distributed.fsdp as fsdp
+    model = _build(scenario.model, scenario.dtype)
+    ref = _build(scenario.model, scenario.dtype) if scenario.reference else None
+    if ref is not None and scenario.frozen:
+        for p in ref.blocks[0].attn.parameters():
+            p.requires_grad_(False)
+    if ref is not None and scenario.ignored:
+        ref.pos_emb.weight.requires_grad_(False)
+    _apply(fsdp, model, scenario, impl)
+    names = [n for n, _ in model.named_parameters()]
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR,
+                            eps=ADAM_EPS)
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=LR,
+                                eps=ADAM_EPS) if ref is not None else None
+    generator = torch.Generator().manual_seed(SEED + 1)
+    grad_rel = 0.0
+    losses = []
+    for step in range(STEPS):
+        for micro in range(MICRO):
+            x, y = _batch(scenario.model, step, micro, world, generator)
+            mine = slice(rank * ROWS_PER_RANK, (rank + 1) * ROWS_PER_RANK)
+            last = micro == MICRO - 1
+            if scenario.accumulation == "nosync":
+                model.set_requires_gradient_sync(last)
+            loss = _loss(model, scenario.model, x[mine], y[mine]) / MICRO
+            loss.backward()
+            losses.append(loss.item())
+            if ref is not None:
+                (_loss(ref, scenario.model, x, y) / MICRO).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if ref is not None:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+            pairs = [(p, r) for p, r in zip(model.parameters(), ref.parameters())
+                     if r.grad is not None]
+            grad_rel = max(grad_rel, _max_rel([_full(p.grad) for p, _ in pairs],
+                                              [r.grad for _, r in pairs]))
+        opt.step()
+        opt.zero_grad()
+        if ref_opt is not None:
+            ref_opt.step()
+            ref_opt.zero_grad()
+    params = {n: _full(p).detach() for n, p in zip(names, model.parameters())}
+    result = {
+        "ok": True, "losses": losses, "grad_rel": grad_rel,
+        "params": {n: p.double().flatten().tolist() for n, p in params.items()},
+        "local_rows": {n: (p.to_local().shape[0] if hasattr(p, "to_local") else p.shape[0])
+                       for n, p in zip(names, model.parameters())},
+        "types": {n: type(p.data).__name__ for n, p in zip(names, model.parameters())},
+        "dtypes": {n: str(p.dtype) for n, p in zip(names, model.parameters())},
+        "class": type(model).__name__,
+        "is_original": isinstance(model, type(_build(scenario.model))),
+    }
+    if ref is not None:
+        result["ref_rel"] = _max_rel(list(params.values()),
+                                     [r.detach() for r in ref.parameters()])
+    return result
+
+
+def train_cases(impl, scenarios):
+    """Runs each named scenario; returns {name: result}.  One failing scenario does not stop
+    the others (its result says why)."""
+    results = {}
+    for name in scenarios:
+        try:
+            results[name] = _run(impl, name, SCENARIOS[name])
+        except Exception:  # noqa: BLE001 - reported to the test
+            results[name] = {"ok": False, "error": traceback.format_exc()}
+        gc.collect()
+    _finish(impl)
+    return results
+
+
+def _finish(impl):
+    import torch.distributed as dist
+    if impl == "dptc":
+        import dptc
+        dptc.destroy_process_group()
+    elif dist.is_initialized():
+        dist.destroy_process_group()
+    os.environ.pop("DPTC_UNUSED", None)
+
+
+def _tensor_bytes():
+    """Bytes of every distinct storage that a live tensor holds (DTensors by their local)."""
+    seen = {}
+    for obj in gc.get_objects():
+        try:
+            if not isinstance(obj, torch.Tensor):
+                continue
+            local = obj._local_tensor if hasattr(obj, "_local_tensor") else obj
+            storage = local.untyped_storage()
+        except Exception:  # noqa: BLE001 - meta tensors, exotic subclasses
+            continue
+        if storage.device.type == "cpu" and storage.nbytes():
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def memory_case(impl):
+    """Bytes held between steps against the model state's share: params + grads + AdamW."""
+    api = load_impl(impl)
+    world, rank = api.get_world_size(), api.get_rank()
+    if impl == "dptc":
+        import dptc as fsdp
+    else:
+        import torch.distributed.fsdp as fsdp
+    gc.collect()
+    base = _tensor_bytes()
+    model = build_gpt(vocab=256, d_model=64, n_layer=4, n_head=4, ctx=32)
+    full = sum(p.numel() * p.element_size() for p in model.parameters())
+    padded = sum(-(-p.shape[0] // world) * (p.numel() // p.shape[0]) * p.element_size()
+                 for p in model.parameters())
+    for block in model.blocks:
+        fsdp.fully_shard(block)
+    fsdp.fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    generator = torch.Generator().manual_seed(SEED)
+    for _ in range(2):
+        idx = torch.randint(0, 256, (4, 33), generator=generator)
+        model.loss(model(idx[:, :-1]), idx[:, 1:]).backward()
+        opt.step()
+    gc.collect()
+    held = _tensor_bytes() - base
+    _finish(impl)
+    # AdamW's step counters are 0-dim tensors, one per parameter.
+    steps = sum(1 for _ in model.parameters()) * 4
+    return {"held": held, "full": full, "padded_share": padded, "step_bytes": steps,
+            "rank": rank}
