@@ -49,6 +49,15 @@ class FSDPModule:
                 states[id(state)] = state
         return list(states.values())
 
+    def _apply(self, *args, **kwargs):
+        # to_empty(), .to() and friends replace the parameters: adopt the new ones at once, so
+        # state_dict() and load_state_dict() see the shard buffers before the first forward.
+        result = super()._apply(*args, **kwargs)
+        state = self.__dict__.get("_dptc_fsdp_state")
+        if state is not None and state.unit is not None:
+            state.unit.reset_sharded()
+        return result
+
     def reshard(self):
         """Frees this module's unsharded parameters and puts the sharded ones back (not
         recursive)."""
