@@ -2,7 +2,8 @@
 
 Layer: several ranks.  Rank-side code is in tests/workers_fsdp.py.  Each launch runs several
 scenarios and the tests below share it (a launch costs ~5 s of start-up on this machine):
-    dptc at 2 and 3 ranks, and torch's own fully_shard (gloo) at 2 and 3 ranks.
+dptc and torch's own fully_shard (gloo) at 2, 3 and 4 ranks (4: HSDP on a 2x2 mesh), dptc's
+HSDP again on 2 simulated nodes, and under two torchrun --nnodes=2 invocations.
 Every scenario trains 3 steps of 2 accumulated micro-batches with clip_grad_norm_ and AdamW
 against a single-process reference on the concatenated batch; the torch runs check the test
 logic with the same numbers, and give the reference for the bf16 policy.
@@ -13,17 +14,25 @@ import math
 import pytest
 import torch
 
-from tests._launch import run_ranks
+import re
+from pathlib import Path
+
+from tests._launch import run_ranks, run_torchrun_nodes
 
 LAUNCH_TIMEOUT_S = 240
 
-# Scenarios per (impl, world size); see workers_fsdp.SCENARIOS.
+TWO_NODE_SCRIPT = Path("tests") / "scripts" / "two_node_fsdp.py"
+
+# Scenarios per (impl, world size, simulated nodes); see workers_fsdp.SCENARIOS.
 PLAN = {
-    ("dptc", 2): ["gpt", "gpt_fp32", "gpt_nosync", "gpt_frozen", "gpt_bf16", "mixed"],
-    ("dptc", 3): ["gpt", "gpt_no_reshard", "gpt_nosync", "gpt_prefetch", "gpt_ignored", "odd",
-                  "mixed", "gpt_bf16"],
-    ("torch", 2): ["gpt_fp32", "gpt_bf16"],
-    ("torch", 3): ["gpt", "odd", "gpt_bf16", "mixed"],
+    ("dptc", 2, 1): ["gpt", "gpt_fp32", "gpt_nosync", "gpt_frozen", "gpt_bf16", "mixed"],
+    ("dptc", 3, 1): ["gpt", "gpt_no_reshard", "gpt_nosync", "gpt_prefetch", "gpt_ignored",
+                     "odd", "mixed", "gpt_bf16"],
+    ("dptc", 4, 1): ["gpt_hsdp", "odd_hsdp", "gpt_hsdp_nosync", "gpt_hsdp_bf16"],
+    ("dptc", 4, 2): ["gpt_hsdp", "odd_hsdp"],
+    ("torch", 2, 1): ["gpt_fp32", "gpt_bf16"],
+    ("torch", 3, 1): ["gpt", "odd", "gpt_bf16", "mixed"],
+    ("torch", 4, 1): ["gpt_hsdp", "gpt_hsdp_bf16"],
 }
 
 # The GPT scenarios train in float64 (see ADAM_EPS in workers_fsdp): the ranks and the
@@ -35,39 +44,42 @@ FLOAT64_TOLERANCE = 1e-10
 _launches = {}
 
 
-def _results(impl, world_size):
-    key = (impl, world_size)
+def _results(impl, world_size, nnodes=1):
+    key = (impl, world_size, nnodes)
     if key not in _launches:
         try:
             _launches[key] = run_ranks("tests.workers_fsdp:train_cases", world_size,
                                        args={"impl": impl, "scenarios": PLAN[key]},
-                                       timeout=LAUNCH_TIMEOUT_S, reference=impl == "torch")
+                                       nnodes=nnodes, timeout=LAUNCH_TIMEOUT_S,
+                                       reference=impl == "torch")
         except AssertionError as error:
             _launches[key] = error
     outcome = _launches[key]
     if isinstance(outcome, AssertionError):
-        raise AssertionError(f"the {impl} launch at {world_size} ranks failed:\n{outcome}")
+        raise AssertionError(f"the {impl} launch at {world_size} ranks on {nnodes} node(s) "
+                             f"failed:\n{outcome}")
     return outcome
 
 
-def _scenario(impl, world_size, name, must_pass=True):
-    per_rank = [ranks[name] for ranks in _results(impl, world_size)]
+def _scenario(impl, world_size, name, must_pass=True, nnodes=1):
+    per_rank = [ranks[name] for ranks in _results(impl, world_size, nnodes)]
     if must_pass:
         for rank, result in enumerate(per_rank):
             assert result["ok"], f"{impl} {name} raised on rank {rank}:\n{result['error']}"
     return per_rank
 
 
-CASES = [(impl, ws, name) for (impl, ws), names in PLAN.items() for name in names
-         if name not in ("gpt_bf16",) and not (impl == "torch" and name == "mixed")]
+CASES = [(impl, ws, nodes, name) for (impl, ws, nodes), names in PLAN.items() for name in names
+         if not name.endswith("_bf16") and not (impl == "torch" and name == "mixed")]
 
 
-@pytest.mark.parametrize("impl,world_size,name", CASES,
-                         ids=[f"{i}-ws{w}-{n}" for i, w, n in CASES])
-def test_matches_single_process(impl, world_size, name):
-    """Parameters and gradients match single-process training on the concatenated batch."""
-    tolerance = TOLERANCE.get(name, FLOAT64_TOLERANCE)
-    for rank, result in enumerate(_scenario(impl, world_size, name)):
+@pytest.mark.parametrize("impl,world_size,nnodes,name", CASES,
+                         ids=[f"{i}-ws{w}-n{n}-{s}" for i, w, n, s in CASES])
+def test_matches_single_process(impl, world_size, nnodes, name):
+    """Parameters and gradients match single-process training on the concatenated batch
+    (HSDP: the mean over both mesh dims)."""
+    tolerance = TOLERANCE.get(name.replace("_hsdp", ""), FLOAT64_TOLERANCE)
+    for rank, result in enumerate(_scenario(impl, world_size, name, nnodes=nnodes)):
         assert result["ref_rel"] <= tolerance, (rank, result["ref_rel"])
         assert result["grad_rel"] <= tolerance, (rank, result["grad_rel"])
 
@@ -94,14 +106,15 @@ def test_layout_is_torchs(world_size):
             assert mine["local_rows"] == theirs["local_rows"]
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_bf16_policy_matches_torch(world_size):
+@pytest.mark.parametrize("world_size,name", [(2, "gpt_bf16"), (3, "gpt_bf16"),
+                                             (4, "gpt_hsdp_bf16")])
+def test_bf16_policy_matches_torch(world_size, name):
     """param_dtype=bfloat16, reduce_dtype=float32, same policy on both sides: dptc's trained
     parameters equal torch fully_shard's within 1e-6.  Both gather the same bf16 casts and run
     the same bf16 compute; only the float32 sum of the ranks' gradients may associate
     differently (measured: identical at 2 ranks, 1e-7 at 3)."""
-    mine = _scenario("dptc", world_size, "gpt_bf16")[0]
-    theirs = _scenario("torch", world_size, "gpt_bf16")[0]
+    mine = _scenario("dptc", world_size, name)[0]
+    theirs = _scenario("torch", world_size, name)[0]
     worst = 0.0
     for name, values in mine["params"].items():
         a, b = torch.tensor(values), torch.tensor(theirs["params"][name])
@@ -134,3 +147,25 @@ def test_memory_between_steps(impl):
         assert result["held"] <= bound * 1.02, result
         # The count sees the state (a counting that misses tensors would pass the bound).
         assert result["held"] >= 0.95 * 4 * result["padded_share"], result
+
+
+def test_hsdp_layout():
+    """HSDP parameters are placed (Replicate(), Shard(0)), as torch's are."""
+    for mine, theirs in zip(_scenario("dptc", 4, "gpt_hsdp"), _scenario("torch", 4, "gpt_hsdp")):
+        assert set(map(tuple, mine["placements"].values())) == {("Replicate", "Shard")}
+        assert mine["placements"] == theirs["placements"]
+        assert mine["local_rows"] == theirs["local_rows"]
+
+
+def test_hsdp_two_torchrun_nodes():
+    """HSDP across two torchrun --nnodes=2 invocations of 2 ranks: shard groups within a node
+    (shared memory), replicate groups across them (gloo); training matches the reference."""
+    outputs = run_torchrun_nodes([str(TWO_NODE_SCRIPT)], nnodes=2, nproc_per_node=2,
+                                 timeout=180, env={"DPTC_TIMEOUT": "30"})
+    text = "\n".join(out for _, out, _ in outputs)
+    report = "\n".join(f"--- node {node}: return code {code}\nstdout:\n{out[-3000:]}\n"
+                       f"stderr:\n{err[-3000:]}" for node, (code, out, err) in enumerate(outputs))
+    assert all(code == 0 for code, _, _ in outputs), report
+    found = re.findall(r"TWO_NODE_FSDP_OK rank=(\d+) ref_rel=(\S+)", text)
+    assert sorted(int(rank) for rank, _ in found) == [0, 1, 2, 3], report
+    assert all(float(rel) <= FLOAT64_TOLERANCE for _, rel in found), found

@@ -53,6 +53,7 @@ class Scenario:
     frozen: bool = False                # block 0's attention frozen
     mp: bool = False                    # bf16 param_dtype, fp32 reduce_dtype
     dtype: torch.dtype = torch.float64  # of the GPT's parameters
+    hsdp: bool = False                  # a (replicate=2, shard=world/2) mesh
     reference: bool = True              # train the single-process reference beside it
 
 
@@ -66,6 +67,10 @@ SCENARIOS = {
     "odd": Scenario(model="odd"),
     "mixed": Scenario(model="mixed"),
     "gpt_fp32": Scenario(dtype=torch.float32),
+    "gpt_hsdp": Scenario(hsdp=True),
+    "odd_hsdp": Scenario(model="odd", hsdp=True),
+    "gpt_hsdp_nosync": Scenario(hsdp=True, accumulation="nosync"),
+    "gpt_hsdp_bf16": Scenario(hsdp=True, mp=True, reference=False, dtype=torch.float32),
     "gpt_bf16": Scenario(mp=True, reference=False, dtype=torch.float32),
 }
 
@@ -147,6 +152,11 @@ def _apply(fsdp, model, scenario, impl):
     if scenario.mp:
         kwargs["mp_policy"] = fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                         reduce_dtype=torch.float32)
+    if scenario.hsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+        world = torch.distributed.get_world_size()
+        kwargs["mesh"] = init_device_mesh("cpu", (2, world // 2),
+                                          mesh_dim_names=("replicate", "shard"))
     units = _units(model)
     for module in units:
         extra = {}
@@ -227,6 +237,8 @@ def _run(impl, name, scenario):
         "local_rows": {n: (p.to_local().shape[0] if hasattr(p, "to_local") else p.shape[0])
                        for n, p in zip(names, model.parameters())},
         "types": {n: type(p.data).__name__ for n, p in zip(names, model.parameters())},
+        "placements": {n: [type(x).__name__ for x in getattr(p, "placements", ())]
+                       for n, p in zip(names, model.parameters())},
         "dtypes": {n: str(p.dtype) for n, p in zip(names, model.parameters())},
         "class": type(model).__name__,
         "is_original": isinstance(model, type(_build(scenario.model))),
