@@ -25,12 +25,13 @@ TWO_NODE_SCRIPT = Path("tests") / "scripts" / "two_node_fsdp.py"
 
 # Scenarios per (impl, world size, simulated nodes); see workers_fsdp.SCENARIOS.
 PLAN = {
-    ("dptc", 2, 1): ["gpt", "gpt_fp32", "gpt_nosync", "gpt_frozen", "gpt_bf16", "mixed"],
+    ("dptc", 2, 1): ["gpt", "gpt_fp32", "gpt_nosync", "gpt_frozen", "gpt_bf16", "mixed",
+                     "gpt_unfreeze_bf16", "gpt_dropgrad_bf16"],
     ("dptc", 3, 1): ["gpt", "gpt_no_reshard", "gpt_nosync", "gpt_prefetch", "gpt_ignored",
                      "odd", "mixed", "gpt_bf16"],
     ("dptc", 4, 1): ["gpt_hsdp", "odd_hsdp", "gpt_hsdp_nosync", "gpt_hsdp_bf16"],
     ("dptc", 4, 2): ["gpt_hsdp", "odd_hsdp"],
-    ("torch", 2, 1): ["gpt_fp32", "gpt_bf16"],
+    ("torch", 2, 1): ["gpt_fp32", "gpt_bf16", "gpt_unfreeze_bf16", "gpt_dropgrad_bf16"],
     ("torch", 3, 1): ["gpt", "odd", "gpt_bf16", "mixed"],
     ("torch", 4, 1): ["gpt_hsdp", "gpt_hsdp_bf16"],
 }
@@ -122,6 +123,28 @@ def test_bf16_policy_matches_torch(world_size, name):
     assert worst <= 1e-6, worst
     assert mine["dtypes"] == theirs["dtypes"]
     assert all(math.isfinite(v) for v in mine["losses"])
+
+
+def _params_rel(a, b):
+    worst = 0.0
+    for name, values in a["params"].items():
+        x, y = torch.tensor(values), torch.tensor(b["params"][name])
+        worst = max(worst, ((x - y).abs().max() / y.abs().max()).item())
+    return worst
+
+
+def test_unfreeze_after_first_forward_beyond_torch():
+    """bf16 policy; block 0 frozen (requires_grad_(False)) through the first step, then
+    unfrozen.  dptc trains it exactly as a run where block 0 is trainable but its step-0
+    gradients are dropped (the same arithmetic), and as torch's fully_shard does that run;
+    torch's fully_shard fails on the unfreeze (it latched the dtypes at the first forward)."""
+    frozen = _scenario("dptc", 2, "gpt_unfreeze_bf16")[0]
+    dropped = _scenario("dptc", 2, "gpt_dropgrad_bf16")[0]
+    torch_dropped = _scenario("torch", 2, "gpt_dropgrad_bf16")[0]
+    assert _params_rel(frozen, dropped) <= 1e-6
+    assert _params_rel(frozen, torch_dropped) <= 1e-6
+    torch_frozen = _scenario("torch", 2, "gpt_unfreeze_bf16", must_pass=False)[0]
+    assert not torch_frozen["ok"] and "dtype" in torch_frozen["error"], torch_frozen
 
 
 def test_mixed_dtypes_beyond_torch():

@@ -54,6 +54,10 @@ class Scenario:
     mp: bool = False                    # bf16 param_dtype, fp32 reduce_dtype
     dtype: torch.dtype = torch.float64  # of the GPT's parameters
     hsdp: bool = False                  # a (replicate=2, shard=world/2) mesh
+    # Block 0 in step 0: "freeze" (requires_grad_(False) before the first forward, unfrozen
+    # for step 1) or "drop" (trainable, its gradients dropped before step 0's clip and step):
+    # the same arithmetic, which torch's fully_shard can do only the second way.
+    late: str = ""
     reference: bool = True              # train the single-process reference beside it
 
 
@@ -72,6 +76,8 @@ SCENARIOS = {
     "gpt_hsdp_nosync": Scenario(hsdp=True, accumulation="nosync"),
     "gpt_hsdp_bf16": Scenario(hsdp=True, mp=True, reference=False, dtype=torch.float32),
     "gpt_bf16": Scenario(mp=True, reference=False, dtype=torch.float32),
+    "gpt_unfreeze_bf16": Scenario(mp=True, reference=False, dtype=torch.float32, late="freeze"),
+    "gpt_dropgrad_bf16": Scenario(mp=True, reference=False, dtype=torch.float32, late="drop"),
 }
 
 
@@ -201,6 +207,10 @@ def _run(impl, name, scenario):
     names = [n for n, _ in model.named_parameters()]
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR,
                             eps=ADAM_EPS)
+    late = list(model.blocks[0].parameters()) if scenario.late else []
+    if scenario.late == "freeze":
+        for p in late:
+            p.requires_grad_(False)
     ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=LR,
                                 eps=ADAM_EPS) if ref is not None else None
     generator = torch.Generator().manual_seed(SEED + 1)
@@ -218,6 +228,12 @@ def _run(impl, name, scenario):
             losses.append(loss.item())
             if ref is not None:
                 (_loss(ref, scenario.model, x, y) / MICRO).backward()
+        if step == 0 and scenario.late == "drop":
+            for p in late:
+                p.grad = None
+        if step == 0 and scenario.late == "freeze":
+            for p in late:
+                p.requires_grad_(True)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         if ref is not None:
             torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
