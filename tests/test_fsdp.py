@@ -29,11 +29,12 @@ PLAN = {
                      "gpt_unfreeze_bf16", "gpt_dropgrad_bf16"],
     ("dptc", 3, 1): ["gpt", "gpt_no_reshard", "gpt_nosync", "gpt_prefetch", "gpt_ignored",
                      "odd", "mixed", "gpt_bf16"],
-    ("dptc", 4, 1): ["gpt_hsdp", "odd_hsdp", "gpt_hsdp_nosync", "gpt_hsdp_bf16"],
+    ("dptc", 4, 1): ["gpt_hsdp", "odd_hsdp", "gpt_hsdp_nosync", "gpt_hsdp_noallreduce",
+                     "gpt_hsdp_bf16"],
     ("dptc", 4, 2): ["gpt_hsdp", "odd_hsdp"],
     ("torch", 2, 1): ["gpt_fp32", "gpt_bf16", "gpt_unfreeze_bf16", "gpt_dropgrad_bf16"],
     ("torch", 3, 1): ["gpt", "odd", "gpt_bf16", "mixed"],
-    ("torch", 4, 1): ["gpt_hsdp", "gpt_hsdp_bf16"],
+    ("torch", 4, 1): ["gpt_hsdp", "gpt_hsdp_noallreduce", "gpt_hsdp_bf16"],
 }
 
 # The GPT scenarios train in float64 (see ADAM_EPS in workers_fsdp): the ranks and the

@@ -47,7 +47,8 @@ ROWS_PER_RANK = 4
 class Scenario:
     model: str = "gpt"                  # "gpt" (tied weights), "odd" (uneven dims), "mixed"
     reshard_after_forward: object = None
-    accumulation: str = "sync"          # "sync": reduce every micro-batch; "nosync": only last
+    accumulation: str = "sync"          # "sync": reduce every micro-batch; "nosync": only last;
+    #                                     "noallreduce" (HSDP): all-reduce across replicas only last
     prefetch: bool = False              # explicit forward/backward prefetch lists
     ignored: bool = False               # pos_emb frozen and passed in ignored_params
     frozen: bool = False                # block 0's attention frozen
@@ -74,6 +75,7 @@ SCENARIOS = {
     "gpt_hsdp": Scenario(hsdp=True),
     "odd_hsdp": Scenario(model="odd", hsdp=True),
     "gpt_hsdp_nosync": Scenario(hsdp=True, accumulation="nosync"),
+    "gpt_hsdp_noallreduce": Scenario(hsdp=True, accumulation="noallreduce"),
     "gpt_hsdp_bf16": Scenario(hsdp=True, mp=True, reference=False, dtype=torch.float32),
     "gpt_bf16": Scenario(mp=True, reference=False, dtype=torch.float32),
     "gpt_unfreeze_bf16": Scenario(mp=True, reference=False, dtype=torch.float32, late="freeze"),
@@ -223,6 +225,8 @@ def _run(impl, name, scenario):
             last = micro == MICRO - 1
             if scenario.accumulation == "nosync":
                 model.set_requires_gradient_sync(last)
+            if scenario.accumulation == "noallreduce":
+                model.set_requires_all_reduce(last)
             loss = _loss(model, scenario.model, x[mine], y[mine]) / MICRO
             loss.backward()
             losses.append(loss.item())

@@ -163,7 +163,7 @@ class State:
 
     def _post_backward(self, unit):
         if self.requires_gradient_sync:
-            unit.reduce()
+            unit.reduce(self.requires_all_reduce)
         if self.reshard_after_backward:
             unit.reshard()
 
@@ -176,8 +176,8 @@ class State:
                 if unit is None:
                     continue
                 if state.requires_gradient_sync and unit.has_unsharded_grads():
-                    unit.reduce()
-                unit.finish_reduce()
+                    unit.reduce(state.requires_all_reduce)
+                unit.finish_reduce(state.requires_all_reduce)
                 if state.reshard_after_backward:
                     unit.reshard()
         finally:
@@ -195,5 +195,6 @@ class State:
                     except Exception:  # the failed iteration's gradients are discarded
                         pass
                     bucket.reduce_output = bucket.reduce_had_grad = None
+                    bucket.partial = bucket.partial_had = None
                 state.unit.reshard()
                 state.unit.reset_ready()

@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .. import _C
-from .._dtypes import REDOP_AVG, REDOP_SUM, dtype_code
+from .._dtypes import OP_ALL_REDUCE, REDOP_AVG, REDOP_SUM, dtype_code
 
 __all__ = []
 
@@ -97,6 +97,9 @@ class _Bucket:
                          reduce_stream=1 if group.num_streams > 1 else 0)
         self.reduce_output = None            # the reduce-scatter's output until finalized
         self.reduce_had_grad = None          # which parameters had a gradient to reduce
+        self.redop = None                    # of the reduction in flight
+        self.partial = None                  # HSDP: reduce-scattered, not yet all-reduced
+        self.partial_had = None
 
     def gathered(self):
         return [p for p in self.params if p.piece > 0]
@@ -266,8 +269,10 @@ class Unit:
     def has_unsharded_grads(self):
         return any(p.unsharded.grad is not None for p in self.params)
 
-    def reduce(self):
-        """Starts reducing the unsharded gradients into this rank's pieces, and frees them."""
+    def reduce(self, all_reduce=True):
+        """Starts reducing the unsharded gradients into this rank's pieces, and frees them.
+        HSDP: the pieces are then all-reduced across replicas, unless all_reduce is False
+        (set_requires_all_reduce), which keeps them as a partial sum for a later backward."""
         size = self.group.size
         for bucket in self.buckets:
             grads = []
@@ -294,20 +299,38 @@ class Unit:
             redop = REDOP_SUM if custom or not bucket.reduce_dtype.is_floating_point \
                 else REDOP_AVG
             after = None
-            if self.replicate_group is not None:
-                after = (self.replicate_group._c, code, redop, 1
-                         if self.replicate_group.num_streams > 1 else 0)
+            if self.replicate_group is not None and all_reduce and bucket.partial is None:
+                after = (self.replicate_group._c, code, redop, self._replicate_stream())
             bucket.c.reduce(code, redop, source, output, bucket.numel, after)
+            bucket.redop = redop
             bucket.reduce_output = output
             bucket.reduce_had_grad = had
 
-    def finish_reduce(self):
-        """Waits for the reductions and accumulates them into the sharded gradients."""
+    def _replicate_stream(self):
+        return 1 if self.replicate_group.num_streams > 1 else 0
+
+    def finish_reduce(self, all_reduce=True):
+        """Waits for the reductions and accumulates them into the sharded gradients (HSDP
+        with all_reduce False: into the bucket's partial sum instead)."""
         for bucket in self.buckets:
             if not bucket.c.wait_reduce():
                 continue
             output, had = bucket.reduce_output, bucket.reduce_had_grad
             bucket.reduce_output = bucket.reduce_had_grad = None
+            if self.replicate_group is not None and not all_reduce:
+                if bucket.partial is None:
+                    bucket.partial, bucket.partial_had = output, had
+                else:
+                    bucket.partial.add_(output)
+                    bucket.partial_had = [a or b for a, b in zip(bucket.partial_had, had)]
+                continue
+            if bucket.partial is not None:
+                output.add_(bucket.partial)
+                had = [a or b for a, b in zip(bucket.partial_had, had)]
+                bucket.partial = bucket.partial_had = None
+                self.replicate_group._c.run(OP_ALL_REDUCE, dtype_code(output.dtype),
+                                            bucket.redop, output, output, output.numel(), 0,
+                                            self._replicate_stream())
             if self.divide_factor is not None:
                 output.div_(self.divide_factor)
             for p, has in zip(bucket.params, had):
