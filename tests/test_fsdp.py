@@ -28,12 +28,12 @@ PLAN = {
     ("dptc", 2, 1): ["gpt", "gpt_fp32", "gpt_nosync", "gpt_frozen", "gpt_bf16", "mixed",
                      "gpt_unfreeze_bf16", "gpt_dropgrad_bf16"],
     ("dptc", 3, 1): ["gpt", "gpt_no_reshard", "gpt_nosync", "gpt_prefetch", "gpt_ignored",
-                     "odd", "mixed", "gpt_bf16"],
+                     "odd", "mixed", "gpt_bf16", "odd_bf16"],
     ("dptc", 4, 1): ["gpt_hsdp", "odd_hsdp", "gpt_hsdp_nosync", "gpt_hsdp_noallreduce",
                      "gpt_hsdp_bf16"],
     ("dptc", 4, 2): ["gpt_hsdp", "odd_hsdp"],
     ("torch", 2, 1): ["gpt_fp32", "gpt_bf16", "gpt_unfreeze_bf16", "gpt_dropgrad_bf16"],
-    ("torch", 3, 1): ["gpt", "odd", "gpt_bf16", "mixed"],
+    ("torch", 3, 1): ["gpt", "odd", "gpt_bf16", "mixed", "odd_bf16"],
     ("torch", 4, 1): ["gpt_hsdp", "gpt_hsdp_noallreduce", "gpt_hsdp_bf16"],
 }
 
@@ -72,7 +72,7 @@ def _scenario(impl, world_size, name, must_pass=True, nnodes=1):
 
 
 CASES = [(impl, ws, nodes, name) for (impl, ws, nodes), names in PLAN.items() for name in names
-         if not name.endswith("_bf16") and not (impl == "torch" and name == "mixed")]
+         if "bf16" not in name and not (impl == "torch" and name == "mixed")]
 
 
 @pytest.mark.parametrize("impl,world_size,nnodes,name", CASES,
@@ -108,8 +108,16 @@ def test_layout_is_torchs(world_size):
             assert mine["local_rows"] == theirs["local_rows"]
 
 
+def _params_rel(a, b):
+    worst = 0.0
+    for name, values in a["params"].items():
+        x, y = torch.tensor(values), torch.tensor(b["params"][name])
+        worst = max(worst, ((x - y).abs().max() / y.abs().max()).item())
+    return worst
+
+
 @pytest.mark.parametrize("world_size,name", [(2, "gpt_bf16"), (3, "gpt_bf16"),
-                                             (4, "gpt_hsdp_bf16")])
+                                             (3, "odd_bf16"), (4, "gpt_hsdp_bf16")])
 def test_bf16_policy_matches_torch(world_size, name):
     """param_dtype=bfloat16, reduce_dtype=float32, same policy on both sides: dptc's trained
     parameters equal torch fully_shard's within 1e-6.  Both gather the same bf16 casts and run
@@ -117,21 +125,13 @@ def test_bf16_policy_matches_torch(world_size, name):
     differently (measured: identical at 2 ranks, 1e-7 at 3)."""
     mine = _scenario("dptc", world_size, name)[0]
     theirs = _scenario("torch", world_size, name)[0]
-    worst = 0.0
-    for name, values in mine["params"].items():
-        a, b = torch.tensor(values), torch.tensor(theirs["params"][name])
-        worst = max(worst, ((a - b).abs().max() / b.abs().max()).item())
+    worst = _params_rel(mine, theirs)
     assert worst <= 1e-6, worst
     assert mine["dtypes"] == theirs["dtypes"]
+    # Forward inputs cast to bf16 (cast_forward_inputs), outputs to output_dtype when set.
+    assert mine["out_dtype"] == theirs["out_dtype"] == \
+        ("torch.float32" if name == "odd_bf16" else "torch.bfloat16")
     assert all(math.isfinite(v) for v in mine["losses"])
-
-
-def _params_rel(a, b):
-    worst = 0.0
-    for name, values in a["params"].items():
-        x, y = torch.tensor(values), torch.tensor(b["params"][name])
-        worst = max(worst, ((x - y).abs().max() / y.abs().max()).item())
-    return worst
 
 
 def test_unfreeze_after_first_forward_beyond_torch():

@@ -55,6 +55,7 @@ class Scenario:
     mp: bool = False                    # bf16 param_dtype, fp32 reduce_dtype
     dtype: torch.dtype = torch.float64  # of the GPT's parameters
     hsdp: bool = False                  # a (replicate=2, shard=world/2) mesh
+    output_fp32: bool = False           # with mp: output_dtype=float32
     # Block 0 in step 0: "freeze" (requires_grad_(False) before the first forward, unfrozen
     # for step 1) or "drop" (trainable, its gradients dropped before step 0's clip and step):
     # the same arithmetic, which torch's fully_shard can do only the second way.
@@ -78,6 +79,7 @@ SCENARIOS = {
     "gpt_hsdp_noallreduce": Scenario(hsdp=True, accumulation="noallreduce"),
     "gpt_hsdp_bf16": Scenario(hsdp=True, mp=True, reference=False, dtype=torch.float32),
     "gpt_bf16": Scenario(mp=True, reference=False, dtype=torch.float32),
+    "odd_bf16": Scenario(model="odd", mp=True, reference=False, output_fp32=True),
     "gpt_unfreeze_bf16": Scenario(mp=True, reference=False, dtype=torch.float32, late="freeze"),
     "gpt_dropgrad_bf16": Scenario(mp=True, reference=False, dtype=torch.float32, late="drop"),
 }
@@ -143,8 +145,12 @@ def _batch(name, step, micro, world, generator):
         torch.randn(rows, outputs, generator=generator)
 
 
+_OUT_DTYPES = []
+
+
 def _loss(model, name, x, y):
     out = model(x)
+    _OUT_DTYPES.append(str(out.dtype))
     if name == "gpt":
         return model.loss(out if out.dtype == torch.float64 else out.float(), y)
     return (out.float() - y).square().mean()
@@ -158,8 +164,9 @@ def _apply(fsdp, model, scenario, impl):
     if scenario.reshard_after_forward is not None:
         kwargs["reshard_after_forward"] = scenario.reshard_after_forward
     if scenario.mp:
-        kwargs["mp_policy"] = fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-                                                        reduce_dtype=torch.float32)
+        kwargs["mp_policy"] = fsdp.MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+            output_dtype=torch.float32 if scenario.output_fp32 else None)
     if scenario.hsdp:
         from torch.distributed.device_mesh import init_device_mesh
         world = torch.distributed.get_world_size()
@@ -261,6 +268,7 @@ def _run(impl, name, scenario):
                        for n, p in zip(names, model.parameters())},
         "dtypes": {n: str(p.dtype) for n, p in zip(names, model.parameters())},
         "class": type(model).__name__,
+        "out_dtype": _OUT_DTYPES[-1],
         "is_original": isinstance(model, type(_build(scenario.model))),
     }
     if ref is not None:
