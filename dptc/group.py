@@ -19,6 +19,7 @@ import logging
 import os
 import secrets
 import socket
+import sys
 import threading
 import time
 import weakref
@@ -564,3 +565,24 @@ def _shutdown():
 
 
 atexit.register(_shutdown)
+
+
+def _abort_on_uncaught(exc_type, exc, traceback):
+    """A rank that stops with an uncaught exception aborts its groups first, so its peers
+    raise PeerLostError at once (naming this rank and the exception) instead of when its
+    process has finished exiting, which takes seconds with torch loaded."""
+    if _default is not None:
+        text = f"{exc_type.__name__}: {exc}"
+        if len(text) > 200:
+            text = text[:197] + "..."
+        reason = f"rank {_default.rank} stopped with an uncaught {text}"
+        for pg in list(_groups):
+            try:
+                pg.abort(reason)
+            except Exception:  # noqa: BLE001 - the original exception is what matters
+                pass
+    _previous_excepthook(exc_type, exc, traceback)
+
+
+_previous_excepthook = sys.excepthook
+sys.excepthook = _abort_on_uncaught

@@ -1,0 +1,263 @@
+"""fully_shard's errors: refused arguments and modules, odd parameters, ranks that fail.
+
+Layers (rank-side bodies in tests/workers_fsdp_errors.py; a launch costs ~5 s here, so each
+layer is one launch whose results the tests share):
+- two ranks, refusals: every call dptc.fully_shard refuses raises the error type below with a
+  message naming the argument or value and the remedy, and leaves the module as it was.  The
+  same calls run against torch 2.13's fully_shard in the same processes; what torch does is
+  pinned beside dptc's (REFUSALS), so a difference is a decision, not an accident:
+    applied twice        torch: AssertionError "can only be applied to a module once"
+    child after parent   torch: TypeError "Invariant encountered: value was None" (an internal
+                         assertion; at 1 rank the parent still trained after it)
+    0-dim parameter      torch: ValueError "doesn't support scalar parameters"; both accept it
+                         in ignored_params
+    reshard_after_forward=0 / 5 / "yes" at 2 ranks   torch: ValueError as well
+    shard_placement_fn   torch: supported; dptc shards on dim 0 only (NotImplementedError)
+    mesh="cpu"           torch: AttributeError "'str' object has no attribute 'ndim'"
+    set_custom_all_gather  torch: supported; dptc: NotImplementedError naming the method
+    prefetch of a module fully_shard was not applied to   torch: ValueError as well
+    non-contiguous parameter   torch: NotImplementedError; dptc accepts it and trains it to
+                         the single-process numbers (float64, 2 ranks)
+  The same launch checks that an exception raised on every rank alike, in forward or in
+  backward, is recovered by reset_iter_state() without a trace in the numbers.
+- four ranks: reshard_after_forward as an int against a shard group of 4: 1 and 4 mean False
+  and True, 3 does not divide 4 (ValueError, torch too), 2 (resharding to a group of 2 after
+  forward) torch supports and dptc refuses with NotImplementedError.
+- failures, with DPTC_TIMEOUT=30: one rank raises inside a block's forward, diverges after
+  catching that error, or is SIGKILLed there; every other rank raises a dptc.DistError within
+  FAST_S seconds of the step's start (not at the timeout), every process exits by itself, and
+  the harness finds nothing left in /dev/shm.
+"""
+
+import math
+
+import pytest
+
+from tests._launch import run_ranks
+
+RUN_TIMEOUT_S = 120
+DPTC_TIMEOUT_S = 30
+# Survivors must raise this soon after the failing step began: a third of DPTC_TIMEOUT, so an
+# error that only arrives by timing out fails.  Measured: 1.3 s when the failing rank raises
+# (most of it the failing process's exit), 0.1 s when it diverges or is killed.
+FAST_S = 10.0
+# The same after an uncaught exception, which aborts the groups at once (measured 0.02-0.04 s).
+UNCAUGHT_S = 0.8
+FLOAT64_TOLERANCE = 1e-10
+
+# case: (dptc's error, fragments of dptc's message, torch 2.13's error, fragment of torch's);
+# None: the call is accepted.
+REFUSALS = {
+    "applied_twice": ("ValueError", ["already applied", "Block", "apply it once per module"],
+                      "AssertionError", "can only be applied to a module once"),
+    "child_after_parent": ("ValueError", ["bottom-up", "Block lies inside", "Net",
+                                          "apply it to the blocks, then to their parents"],
+                           "TypeError", "Invariant encountered"),
+    "zero_dim": ("ValueError", ["Scalar.temperature", "0-dim", "make it shape (1,)",
+                                "ignored_params"],
+                 "ValueError", "doesn't support scalar parameters"),
+    "reshard_after_forward_0": ("ValueError", ["reshard_after_forward", "got 0",
+                                               "an int that divides the shard group size 2"],
+                                "ValueError", "factor of 2, not 0"),
+    "reshard_after_forward_5": ("ValueError", ["reshard_after_forward", "got 5",
+                                               "an int that divides the shard group size 2"],
+                                "ValueError", "factor of 2, not 5"),
+    "reshard_after_forward_str": ("ValueError", ["reshard_after_forward", "got 'yes'",
+                                                 "None, a bool, or an int"],
+                                  "ValueError", "should be a bool or an int"),
+    "shard_placement_fn": ("NotImplementedError", ["shard_placement_fn", "Shard(0)"],
+                           None, None),
+    "mesh_of_wrong_type": ("TypeError", ["mesh must be a torch DeviceMesh", "init_device_mesh",
+                                         "got str"],
+                           "AttributeError", "has no attribute 'ndim'"),
+    "set_custom_all_gather": ("NotImplementedError",
+                              ["FSDPModule.set_custom_all_gather", "not implemented by dptc"],
+                              None, None),
+    "forward_prefetch_of_plain_module": ("ValueError", ["modules[0]", "Block",
+                                                        "not a module fully_shard was applied to"],
+                                         "ValueError", "Expects FSDPModule"),
+    "backward_prefetch_of_plain_module": ("ValueError", ["modules[0]", "Block",
+                                                         "not a module fully_shard was applied "
+                                                         "to"],
+                                          "ValueError", "Expects FSDPModule"),
+    "prefetch_not_a_list": ("TypeError", ["modules must be a list of fully_shard modules",
+                                          "FSDPBlock"],
+                            "TypeError", "not iterable"),
+    "noncontiguous": (None, [], "NotImplementedError", "non-contiguous parameters"),
+}
+
+_launches = {}
+
+
+def _launch(key, target, world_size, **kwargs):
+    """run_ranks once per key; a failed launch fails every test that reads it."""
+    if key not in _launches:
+        try:
+            _launches[key] = run_ranks(target, world_size, timeout=RUN_TIMEOUT_S, **kwargs)
+        except AssertionError as error:
+            _launches[key] = error
+    outcome = _launches[key]
+    if isinstance(outcome, AssertionError):
+        raise AssertionError(f"the {key} launch failed:\n{outcome}")
+    return outcome
+
+
+def _validation():
+    return _launch("validation", "tests.workers_fsdp_errors:validation_cases", 2)
+
+
+def _check(outcome, error_type, fragments):
+    assert outcome["type"] == error_type, outcome
+    for fragment in fragments:
+        assert fragment in outcome["message"], (fragment, outcome)
+
+
+# ---------------------------------------------------------------------------------------------
+# Two ranks: refusals
+
+@pytest.mark.parametrize("impl", ["dptc", "torch"])
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_refusal(case, impl):
+    """The error type and the message (dptc: names the argument or value and the remedy;
+    torch: the fragment that identifies its error), the same on both ranks."""
+    dptc_type, dptc_fragments, torch_type, torch_fragment = REFUSALS[case]
+    for result in _validation():
+        outcome = result[impl][case]
+        if impl == "dptc":
+            _check(outcome, dptc_type, dptc_fragments)
+        else:
+            _check(outcome, torch_type, [torch_fragment] if torch_fragment else [])
+
+
+def test_refusal_leaves_module_unchanged():
+    """A refused fully_shard changes nothing: the module keeps its class and its plain
+    parameters; after refusing a child, the parent's unit still trains (every gradient)."""
+    for result in _validation():
+        after = result["after"]
+        assert after["zero_dim"] == {"class": "Scalar", "weight": "Tensor"}, after
+        assert after["mesh_of_wrong_type"] == {"class": "Net"}, after
+        child = after["child_after_parent"]
+        assert (child["child_class"], child["parent_class"]) == ("Block", "FSDPNet"), child
+        assert child["grads"] == child["params"] == 10 and math.isfinite(child["loss"]), child
+
+
+@pytest.mark.parametrize("impl", ["dptc", "torch"])
+def test_zero_dim_parameter_in_ignored_params_trains(impl):
+    """The remedy works: with the 0-dim parameter in ignored_params, fully_shard shards the rest
+    (DTensor parameter and gradient) and leaves the scalar a plain parameter with a gradient."""
+    for result in _validation():
+        outcome = result["zero_dim_ignored"][impl]
+        assert outcome["type"] is None, outcome
+        assert outcome["value"] == {"class": "FSDPScalar", "temperature": "Tensor",
+                                    "temperature_grad": True, "weight": "DTensor",
+                                    "weight_grad": "DTensor"}, outcome
+
+
+def test_noncontiguous_parameters_match_single_process():
+    """Weights that are transposed views (stride (1, out); dims 7 and 5 split unevenly over 2
+    ranks) in the blocks and the root, and a permuted 3-dim parameter whose dim 0 is innermost:
+    3 steps of clip_grad_norm_ and AdamW in float64 give the parameters and gradients of one
+    process training on the whole batch (measured ~1e-15 apart)."""
+    for rank, result in enumerate(_validation()):
+        training = result["noncontiguous_training"]
+        assert training["noncontiguous"] == ["mix", "blocks.0.fc.weight", "blocks.1.fc.weight",
+                                             "blocks.2.fc.weight", "head.weight"], training
+        assert training["shapes_match"], training
+        assert training["param_rel"] <= FLOAT64_TOLERANCE, (rank, training)
+        assert training["grad_rel"] <= FLOAT64_TOLERANCE, (rank, training)
+        assert training["moved"] > 1e-3, (rank, training)  # the comparison compares something
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_exception_on_every_rank_is_recoverable(phase):
+    """Every rank raises in the same place (forward: inside blocks.2, with blocks.3's gather
+    prefetched; backward: at blocks.1's output, with the later blocks' reduce-scatters in
+    flight), catches it and calls reset_iter_state(): training goes on with the group intact
+    and matches a reference that skipped the failed step (float64)."""
+    for rank, result in enumerate(_validation()):
+        recovery = result["recovery"][phase]
+        assert len(recovery["errors"]) == 1 and "injected" in recovery["errors"][0], recovery
+        assert recovery["param_rel"] <= FLOAT64_TOLERANCE, (rank, recovery)
+
+
+# ---------------------------------------------------------------------------------------------
+# Four ranks: integer reshard_after_forward
+
+def test_reshard_after_forward_int_at_four_ranks():
+    expected = {
+        "dptc_1": (None, []),
+        "dptc_2": ("NotImplementedError", ["reshard_after_forward=2", "pass True or False"]),
+        "dptc_3": ("ValueError", ["reshard_after_forward", "got 3",
+                                  "an int that divides the shard group size 4"]),
+        "dptc_4": (None, []),
+        "torch_1": (None, []),
+        "torch_2": (None, []),
+        "torch_3": ("ValueError", ["factor of 4, not 3"]),
+        "torch_4": (None, []),
+    }
+    for result in _launch("four_ranks", "tests.workers_fsdp_errors:four_rank_cases", 4):
+        for case, (error_type, fragments) in expected.items():
+            _check(result[case], error_type, fragments)
+
+
+# ---------------------------------------------------------------------------------------------
+# Failures
+
+def _fault(action, world_size, **args):
+    return run_ranks("tests.workers_fsdp_errors:fault_case", world_size,
+                     args={"action": action, **args}, timeout=RUN_TIMEOUT_S,
+                     env={"DPTC_TIMEOUT": str(DPTC_TIMEOUT_S)}, expect_failure=True)
+
+
+def _assert_dist_error(result, types=("PeerLostError", "DistTimeoutError",
+                                      "CollectiveMismatchError")):
+    assert result["exitcode"] == 1, result
+    assert "DistError" in result["error_mro"] and result["error_type"] in types, result
+    assert result["elapsed"] is not None and result["elapsed"] < FAST_S, result
+
+
+def test_forward_exception_on_one_rank_fails_every_rank_fast():
+    """Rank 1 raises ValueError inside blocks.2's forward in step 2 and exits with it; rank 0,
+    which goes on into backward and waits there for a gather rank 1 never issues, raises a
+    DistError naming rank 1 within FAST_S of the step's start (measured ~1.3 s, of which
+    most is rank 1's interpreter exit), not after DPTC_TIMEOUT."""
+    survivor, failing = _fault("raise", 2)
+    assert failing["exitcode"] == 1, failing
+    assert failing["error_type"] == "ValueError", failing
+    assert failing["error"] == "injected failure in blocks.2 on rank 1", failing
+    _assert_dist_error(survivor)
+    assert "rank 1" in survivor["error"], survivor
+
+
+def test_uncaught_exception_aborts_the_peers_at_once():
+    """Rank 1's exception reaches sys.excepthook (uncaught, as in a torchrun script): dptc's
+    hook aborts its groups before the process starts exiting, so rank 0 raises PeerLostError
+    naming rank 1 and its exception within UNCAUGHT_S of the step's start (measured 0.02 to 0.04 s;
+    without the hook it waited for rank 1's exit, 1-3 s)."""
+    survivor, failing = _fault("raise", 2, on_error="uncaught")
+    assert failing["error_type"] == "ValueError", failing
+    _assert_dist_error(survivor, types=("PeerLostError",))
+    assert "rank 1 stopped with an uncaught ValueError: injected failure" in survivor["error"]
+    assert survivor["elapsed"] < UNCAUGHT_S, survivor
+
+
+def test_rank_that_diverges_after_an_exception_fails_every_rank_fast():
+    """Rank 1 catches its forward's ValueError, calls reset_iter_state() and trains the next
+    step while rank 0 is still in the failed step's backward: the ranks' next all-gathers
+    differ, and both raise CollectiveMismatchError naming what each issued (measured 0.1 s)."""
+    results = _fault("raise", 2, on_error="continue", steps=4)
+    for rank, result in enumerate(results):
+        _assert_dist_error(result, types=("CollectiveMismatchError",))
+        assert "all_gather_into_tensor" in result["error"], (rank, result)
+        assert "global rank 0" in result["error"] and "global rank 1" in result["error"], result
+
+
+def test_killed_rank_fails_survivors_fast():
+    """Rank 1 of 3 SIGKILLs itself inside blocks.2's forward in step 2; ranks 0 and 2, in or
+    entering an all-gather with it, raise PeerLostError naming rank 1 within FAST_S (measured
+    under 0.1 s) and exit; no /dev/shm entry survives (run_ranks fails otherwise)."""
+    results = _fault("kill", 3)
+    assert results[1]["exitcode"] == -9 and results[1]["error_type"] is None, results[1]
+    for rank in (0, 2):
+        _assert_dist_error(results[rank], types=("PeerLostError",))
+        assert "global rank 1" in results[rank]["error"], results[rank]
