@@ -2,12 +2,18 @@
 
     torchrun --standalone --nproc_per_node=2 examples/train_gpt.py
     torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --impl torch
+    torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --fsdp [--impl torch]
 
 ``--impl dptc`` wraps the model in dptc.DistributedDataParallel, ``--impl torch`` in
 torch.nn.parallel.DistributedDataParallel over gloo; the rest of the script is identical,
 which is the point: switching is one import. Each rank draws the same global batch from a
 seeded generator and trains on its own slice of it; rank 0 prints the loss averaged over
 ranks and the throughput of all ranks together.
+
+``--fsdp`` shards the model instead: ``fully_shard`` on each block, then on the root
+(dptc.fully_shard for ``--impl dptc``, torch.distributed.fsdp.fully_shard over gloo for
+``--impl torch``). Gradient accumulation then skips the reduce-scatter of all but the last
+micro-step with ``set_requires_gradient_sync(False)`` in place of ``no_sync()``.
 """
 
 import argparse
@@ -30,12 +36,17 @@ from gpt import PermutationWalk, build_gpt, noise_floor  # noqa: E402
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--impl", choices=("dptc", "torch"), default="dptc",
-                        help="whose DistributedDataParallel wraps the model")
+                        help="whose DistributedDataParallel (or fully_shard, with --fsdp) "
+                             "wraps the model")
+    parser.add_argument("--fsdp", action="store_true",
+                        help="shard the model with fully_shard (each block, then the root) "
+                             "instead of wrapping it in DistributedDataParallel")
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps")
     parser.add_argument("--batch-size", type=int, default=16,
                         help="sequences per rank per micro-step")
     parser.add_argument("--grad-accum", type=int, default=1,
-                        help="micro-steps per optimizer step (all but the last under no_sync)")
+                        help="micro-steps per optimizer step (all but the last under no_sync, "
+                             "or without gradient sync under --fsdp)")
     parser.add_argument("--lr", type=float, default=3e-3,
                         help="peak learning rate (linear warm-up, then cosine decay to 10%%)")
     parser.add_argument("--log-every", type=int, default=20)
@@ -62,12 +73,22 @@ class Backend:
             self.lib = dptc
             dptc.init_process_group()
             self.wrapper = dptc.DistributedDataParallel
+            self.fully_shard = dptc.fully_shard
         else:
+            from torch.distributed.fsdp import fully_shard
             dist.init_process_group("gloo")
             self.lib = dist
             self.wrapper = torch.nn.parallel.DistributedDataParallel
+            self.fully_shard = fully_shard
         self.rank = self.lib.get_rank()
         self.world_size = self.lib.get_world_size()
+
+    def shard(self, model):
+        """fully_shard on each block, then on the root (which keeps the embeddings, the tied
+        output projection and the final norm); returns the model, now an FSDPModule."""
+        for block in model.blocks:
+            self.fully_shard(block)
+        return self.fully_shard(model)
 
     def mean_over_ranks(self, value):
         tensor = torch.tensor([value], dtype=torch.float64)
@@ -95,15 +116,22 @@ def main():
     torch.manual_seed(args.seed)
     model = build_gpt(vocab=args.vocab, d_model=args.d_model, n_layer=args.n_layer,
                       n_head=args.n_head, ctx=args.ctx)
-    model = backend.wrapper(model)
+    if args.fsdp:
+        model = backend.shard(model)
+        core = model
+    else:
+        model = backend.wrapper(model)
+        core = model.module
+    kind = "FSDP" if args.fsdp else "DDP"
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     data = PermutationWalk(vocab=args.vocab, ctx=args.ctx, noise=0.1, seed=args.seed)
     rows = slice(rank * args.batch_size, (rank + 1) * args.batch_size)
     global_rows = args.batch_size * world_size
 
-    n_params = sum(p.numel() for p in model.module.parameters())
+    # Under fully_shard the parameters are DTensors; numel() counts the whole parameter.
+    n_params = sum(p.numel() for p in core.parameters())
     if rank == 0:
-        print(f"{args.impl} DDP on {world_size} ranks: {n_params / 1e6:.2f}M parameters, "
+        print(f"{args.impl} {kind} on {world_size} ranks: {n_params / 1e6:.2f}M parameters, "
               f"{global_rows * args.grad_accum} sequences x {args.ctx} tokens per step, "
               f"noise floor {noise_floor(args.vocab, 0.1):.3f}", flush=True)
 
@@ -119,8 +147,14 @@ def main():
         for micro in range(args.grad_accum):
             inputs, targets = data.batch(step * args.grad_accum + micro, global_rows)
             last = micro == args.grad_accum - 1
-            with contextlib.nullcontext() if last else model.no_sync():
-                loss = model.module.loss(model(inputs[rows]), targets[rows])
+            if args.fsdp:
+                # Only the last micro-step reduce-scatters; the others accumulate unsharded.
+                model.set_requires_gradient_sync(last)
+                sync = contextlib.nullcontext()
+            else:
+                sync = contextlib.nullcontext() if last else model.no_sync()
+            with sync:
+                loss = core.loss(model(inputs[rows]), targets[rows])
                 (loss / args.grad_accum).backward()
             step_loss += loss.item() / args.grad_accum
         for group in optimizer.param_groups:
@@ -147,7 +181,7 @@ def main():
     rate = timed_steps * tokens_per_step / elapsed if timed_steps else float("nan")
     if rank == 0:
         print(f"done: {args.steps} steps, final loss {final_loss:.3f}, {rate:.0f} tokens/s, "
-              f"{args.impl} DDP on {world_size} ranks", flush=True)
+              f"{args.impl} {kind} on {world_size} ranks", flush=True)
     backend.close()
 
 

@@ -322,7 +322,8 @@ def _recovery(rank, world, fault, fail_block, steps=3, fail_step=1):
 
 def validation_cases():
     """{"dptc": {case: outcome}, "torch": {case: outcome}, "after": dptc's modules after some
-    refusals, "zero_dim_ignored": {impl: outcome with value}, "noncontiguous_training": ..., "recovery": {"forward": ..., "backward": ...}}.
+    refusals, "zero_dim_ignored": {impl: outcome with value}, "noncontiguous_training": ...,
+    "recovery": {"forward": ..., "backward": ...}}.
     Every rank runs the same calls in the same order, so the collectives of the calls that
     succeed match."""
     import dptc
