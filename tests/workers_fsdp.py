@@ -302,8 +302,9 @@ def _finish(impl):
 
 
 def _tensor_bytes():
-    """Bytes of every distinct storage that a live tensor holds (DTensors by their local)."""
-    seen = {}
+    """Bytes of memory that live tensors hold (DTensors by their local tensor): the union of
+    their storages' address ranges, since storages may alias one another's memory."""
+    ranges = []
     for obj in gc.get_objects():
         try:
             if not isinstance(obj, torch.Tensor):
@@ -313,8 +314,13 @@ def _tensor_bytes():
         except Exception:  # noqa: BLE001 - meta tensors, exotic subclasses
             continue
         if storage.device.type == "cpu" and storage.nbytes():
-            seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
+            ranges.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes()))
+    total, end = 0, 0
+    for begin, stop in sorted(ranges):
+        if stop > end:
+            total += stop - max(begin, end)
+            end = stop
+    return total
 
 
 def memory_case(impl):

@@ -64,6 +64,18 @@ class _Param:
         begin = self.offset
         return flat[begin:begin + self.local_rows * self.row_numel].view(self.local_shape)
 
+    def local_alias(self, flat):
+        """The same elements as local_view, through a tensor whose storage starts at them.
+        The DTensor a user sees wraps this: code that takes a tensor's data pointer for its
+        storage's (DCP's async staging does) would otherwise copy the whole shard buffer
+        from the wrong place."""
+        count = self.local_rows * self.row_numel
+        if count == 0 or flat.is_meta:
+            return self.local_view(flat)
+        size = flat.element_size()
+        raw = flat.view(torch.uint8).numpy()[self.offset * size:(self.offset + count) * size]
+        return torch.from_numpy(raw).view(flat.dtype).view(self.local_shape)
+
     def register(self, param):
         for module, name in self.locations:
             module._parameters[name] = param
@@ -142,7 +154,7 @@ class Unit:
                                   device="meta" if on_meta else "cpu")
         for p in bucket.params:
             orig = originals[id(p)]
-            local = p.local_view(bucket.flat)
+            local = p.local_alias(bucket.flat)
             if not orig.is_meta and p.local_rows:
                 with torch.no_grad():
                     local.copy_(orig.detach().narrow(0, p.start, p.local_rows))
@@ -181,11 +193,11 @@ class Unit:
                     p.sharded = current
                     changed = True
                 local = p.sharded._local_tensor
-                if local.data_ptr() != view.data_ptr() or local.is_meta:
+                if local.is_meta or view.numel() and local.data_ptr() != view.data_ptr():
                     if not local.is_meta and p.local_rows:
                         with torch.no_grad():
                             view.copy_(local)
-                    p.sharded._local_tensor = view
+                    p.sharded._local_tensor = p.local_alias(bucket.flat)
                     changed = True
                 p.register(p.sharded)
         return changed
