@@ -16,7 +16,9 @@ Each fully_shard module has one State.  Its hooks are thin: they call the unit's
   callback on the autograd engine.
 - Post-backward: each unsharded parameter's post-accumulate-grad hook marks its gradient
   complete; the unit's last one reshards it and starts the reduce-scatter on the reduce
-  stream, which runs while autograd computes earlier units.
+  stream, which runs while autograd computes earlier units.  At most two reductions are in
+  flight: starting a third finishes the oldest (accumulates it into the sharded gradients and
+  frees its input), so a backward holds two units' reduce inputs, not the whole model's.
 - End of backward (root callback): reduce any unit whose hooks did not all fire (unused
   parameters), wait for every reduction, accumulate the results into the sharded ``.grad``
   DTensors, reshard what is still unsharded.
@@ -54,6 +56,7 @@ class State:
         self.states = []
         self.forward_order = []                # States by first pre-forward
         self.post_forward_order = []           # this iteration's post-forwards
+        self.reducing = []                     # States whose reductions are in flight
         self.callback_queued = False
         self.in_backward = False               # a forward now is a recomputation
         self.is_last_backward = True
@@ -164,12 +167,20 @@ class State:
     def _post_backward(self, unit):
         if self.requires_gradient_sync:
             unit.reduce(self.requires_all_reduce)
+            # One reduction in flight besides this one: the older one's input (a unit's
+            # gradients) is freed now, not at the end of backward.
+            reducing = self.root.reducing
+            reducing.append(self)
+            while len(reducing) > 2:
+                older = reducing.pop(0)
+                older.unit.finish_reduce(older.requires_all_reduce)
         if self.reshard_after_backward:
             unit.reshard()
 
     def _end_of_backward(self):
         """The root's callback, after autograd's last node (see [Note: one training step])."""
         self.callback_queued = False
+        self.reducing = []
         try:
             for state in self.states:
                 unit = state.unit
@@ -185,6 +196,7 @@ class State:
 
     def reset_iter_state(self):
         self.callback_queued = False
+        self.reducing = []
         self.in_backward = False
         self.post_forward_order = []
         for state in self.states:
