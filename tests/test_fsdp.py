@@ -193,3 +193,17 @@ def test_hsdp_two_torchrun_nodes():
     found = re.findall(r"TWO_NODE_FSDP_OK rank=(\d+) ref_rel=(\S+)", text)
     assert sorted(int(rank) for rank, _ in found) == [0, 1, 2, 3], report
     assert all(float(rel) <= FLOAT64_TOLERANCE for _, rel in found), found
+
+
+def test_module_methods():
+    """unshard(async_op=True) and its handle, register_fsdp_forward_method,
+    set_reshard_after_backward(False) then reshard(), and set_gradient_divide_factor(1.0)
+    (gradients summed) on 2 ranks, each against the single-process reference (float64)."""
+    for result in run_ranks("tests.workers_fsdp:methods_case", 2, args={"impl": "dptc"},
+                            timeout=LAUNCH_TIMEOUT_S):
+        assert result["root_unsharded"], result
+        assert result["method_rel"] <= FLOAT64_TOLERANCE, result
+        assert result["blocks_unsharded_after_backward"], result
+        assert result["grad_rel"] <= FLOAT64_TOLERANCE, result
+        assert result["blocks_sharded_after_reshard"], result
+        assert result["sum_rel"] <= FLOAT64_TOLERANCE, result

@@ -353,3 +353,68 @@ def memory_case(impl):
     steps = sum(1 for _ in model.parameters()) * 4
     return {"held": held, "full": full, "padded_share": padded, "step_bytes": steps,
             "rank": rank}
+
+
+def methods_case(impl):
+    """FSDPModule's methods beyond a plain training step, each checked by numbers.
+
+    On the float64 GPT (blocks and root sharded), against the single-process reference:
+    - ``unshard(async_op=True)`` of the root before forward, ``wait()`` on the handle: the
+      root's parameters are then the full plain tensors; training goes on unchanged;
+    - ``register_fsdp_forward_method(model, "logits_of")``: a method other than forward
+      gathers the parameters (its output equals the reference's);
+    - ``set_reshard_after_backward(False)``: after backward the blocks' parameters stay
+      unsharded (plain tensors of full shape on the module); the next step still matches;
+    - ``set_gradient_divide_factor(1.0)``: gradients are summed, world size times the mean.
+    Returns the largest relative differences and what was observed."""
+    api = load_impl(impl)
+    rank, world = api.get_rank(), api.get_world_size()
+    import dptc as fsdp
+    model = _build("gpt", torch.float64)
+    ref = _build("gpt", torch.float64)
+    for block in model.blocks:
+        fsdp.fully_shard(block)
+    fsdp.fully_shard(model)
+    type(model).logits_of = lambda self, idx: self.forward(idx)
+    fsdp.register_fsdp_forward_method(model, "logits_of")
+    generator = torch.Generator().manual_seed(SEED + 7)
+    mine = slice(rank * ROWS_PER_RANK, (rank + 1) * ROWS_PER_RANK)
+    out = {}
+
+    handle = model.unshard(async_op=True)
+    handle.wait()
+    out["root_unsharded"] = all(type(p) is torch.nn.Parameter and not hasattr(p, "placements")
+                                for p in model._parameters.values() if p is not None) and \
+        tuple(model.tok_emb.weight.shape) == (64, 32)
+    x, y = _batch("gpt", 0, 0, world, generator)
+    logits = model.logits_of(x[mine])
+    out["method_rel"] = _max_rel([logits.detach()], [ref(x[mine]).detach()])
+
+    for block in model.blocks:
+        block.set_reshard_after_backward(False)
+    _loss(model, "gpt", x[mine], y[mine]).backward()
+    _loss(ref, "gpt", x, y).backward()
+    out["blocks_unsharded_after_backward"] = all(
+        not hasattr(p, "placements") and p.shape == q.shape
+        for block, ref_block in zip(model.blocks, ref.blocks)
+        for p, q in zip(block.parameters(), ref_block.parameters()))
+    for block in model.blocks:
+        block.reshard()
+        block.set_reshard_after_backward(True)
+    # The reduced gradients are on the sharded parameters, back on the modules after reshard.
+    out["grad_rel"] = _max_rel([_full(p.grad) for p in model.parameters()],
+                               [p.grad for p in ref.parameters()])
+    out["blocks_sharded_after_reshard"] = all(hasattr(p, "placements")
+                                              for p in model.parameters())
+    model.zero_grad()
+    ref.zero_grad()
+
+    for module in [model] + list(model.blocks):
+        module.set_gradient_divide_factor(1.0)
+    x, y = _batch("gpt", 1, 0, world, generator)
+    _loss(model, "gpt", x[mine], y[mine]).backward()
+    _loss(ref, "gpt", x, y).backward()
+    out["sum_rel"] = _max_rel([_full(p.grad) for p in model.parameters()],
+                              [p.grad * world for p in ref.parameters()])
+    _finish(impl)
+    return out
