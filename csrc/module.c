@@ -1,6 +1,7 @@
 /* module.c — dptc._C: multi-phase init, module state, the Group and Work
  * types, and the one function that turns a status into an exception. */
 #include <limits.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include "module.h"
@@ -343,6 +344,28 @@ static PyObject *shared_get_nbytes(SharedObject *self, void *Py_UNUSED(closure))
     return PyLong_FromSize_t(self->shared.bytes);
 }
 
+/* discard(): gives this rank's pages back to the system; the mapping stays,
+ * and reads as zeros until written again.  For buffers used only during part
+ * of a step (FSDP's reduce inputs), so they hold no memory in between. */
+static PyObject *shared_discard(SharedObject *self, PyObject *Py_UNUSED(ignored))
+{
+    void *base = self->shared.base[self->shared.local_rank];
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = base && self->shared.bytes ? madvise(base, self->shared.bytes, MADV_REMOVE) : 0;
+    Py_END_ALLOW_THREADS
+    if (rc != 0)
+        return PyErr_SetFromErrno(PyExc_OSError);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef shared_methods[] = {
+    {"discard", (PyCFunction)shared_discard, METH_NOARGS,
+     "discard()\n\nReturns this rank's pages to the system; the memory reads as zeros until "
+     "written again."},
+    {NULL, NULL, 0, NULL},
+};
+
 static PyGetSetDef shared_getset[] = {
     {"nbytes", (getter)shared_get_nbytes, NULL, "bytes mapped (a multiple of the page size)",
      NULL},
@@ -353,6 +376,7 @@ static PyType_Slot shared_slots[] = {
     {Py_tp_doc, "Memory every local rank of a group maps; see Group.share."},
     {Py_bf_getbuffer, shared_getbuffer},
     {Py_tp_getset, shared_getset},
+    {Py_tp_methods, shared_methods},
     {Py_tp_traverse, shared_traverse},
     {Py_tp_dealloc, shared_dealloc},
     {0, NULL},

@@ -207,3 +207,16 @@ def test_module_methods():
         assert result["grad_rel"] <= FLOAT64_TOLERANCE, result
         assert result["blocks_sharded_after_reshard"], result
         assert result["sum_rel"] <= FLOAT64_TOLERANCE, result
+
+
+def test_reduce_inputs_skip_the_staging_slots():
+    """On one node the reduce-scatters read their inputs straight from every rank's shared
+    ring buffer: a backward leaves the reduce stream's staging slot untouched (a sentinel fill
+    survives), where with DPTC_FSDP_SHARED_REDUCE=0 (plain inputs) it overwrites ~98 KB."""
+    shared = run_ranks("tests.workers_fsdp:staging_case", 2, args={"impl": "dptc"},
+                       timeout=LAUNCH_TIMEOUT_S)
+    staged = run_ranks("tests.workers_fsdp:staging_case", 2, args={"impl": "dptc"},
+                       timeout=LAUNCH_TIMEOUT_S, env={"DPTC_FSDP_SHARED_REDUCE": "0"})
+    for mine, control in zip(shared, staged):
+        assert mine["touched"] == [0, 0], mine
+        assert min(control["touched"]) > 10_000, control

@@ -418,3 +418,32 @@ def methods_case(impl):
                               [p.grad * world for p in ref.parameters()])
     _finish(impl)
     return out
+
+
+def staging_case(impl):
+    """Bytes of this rank's staging slot on the reduce stream (stream 1) that one training
+    step's backward overwrote: the reduce-scatters' inputs pass through it unless they lie in
+    shared memory (see [Note: reduce inputs in shared memory] in dptc/fsdp/_unit.py)."""
+    api = load_impl(impl)
+    rank, world = api.get_rank(), api.get_world_size()
+    import dptc
+    from dptc.group import resolve
+    model = _build("gpt", torch.float32)
+    for block in model.blocks:
+        dptc.fully_shard(block)
+    dptc.fully_shard(model)
+    generator = torch.Generator().manual_seed(SEED)
+    mine = slice(rank * ROWS_PER_RANK, (rank + 1) * ROWS_PER_RANK)
+    group = resolve(None)
+    slot = group._c.slot(1, group.local_rank)
+    touched = []
+    for _ in range(2):
+        x, y = _batch("gpt", 0, 0, world, generator)
+        slot[:] = b"\xab" * len(slot)
+        _loss(model, "gpt", x[mine], y[mine]).backward()
+        touched.append(len(slot) - bytes(slot).count(b"\xab"))
+        model.zero_grad()
+    slot_bytes = len(slot)
+    slot.release()
+    _finish(impl)
+    return {"touched": touched, "slot_bytes": slot_bytes}

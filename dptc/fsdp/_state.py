@@ -24,9 +24,13 @@ Each fully_shard module has one State.  Its hooks are thin: they call the unit's
   DTensors, reshard what is still unsharded.
 """
 
+import os
+
 import torch
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten, tree_map
+
+from ._unit import ReduceRing
 
 __all__ = []
 
@@ -57,6 +61,7 @@ class State:
         self.forward_order = []                # States by first pre-forward
         self.post_forward_order = []           # this iteration's post-forwards
         self.reducing = []                     # States whose reductions are in flight
+        self.rings = {}                        # (group id, dtype) -> ReduceRing
         self.callback_queued = False
         self.in_backward = False               # a forward now is a recomputation
         self.is_last_backward = True
@@ -86,6 +91,7 @@ class State:
                 state.reshard_after_forward = state is not self
             if state.unit is not None:
                 state.unit.reset_sharded()
+        self._make_rings()
 
     # -- forward ------------------------------------------------------------------------------
 
@@ -138,6 +144,33 @@ class State:
             output = tree_map(lambda v: _cast(v, self.mp_policy.output_dtype), output)
         return output
 
+    def _shared_input(self, dtype):
+        ring = self.root.rings.get((id(self.unit.group), dtype))
+        return None if ring is None else ring.take(self, self.root._finish)
+
+    def _finish(self, state):
+        """Root: waits for `state`'s reductions and accumulates them into its gradients."""
+        if state in self.reducing:
+            self.reducing.remove(state)
+        state.unit.finish_reduce(state.requires_all_reduce)
+
+    def _make_rings(self):
+        """Root, at lazy init: the rings of [Note: reduce inputs in shared memory], for the
+        shard groups on one node.  Every rank makes them in the same order (a collective)."""
+        sizes = {}
+        if os.environ.get("DPTC_FSDP_SHARED_REDUCE", "1") == "0":  # staged, for comparison
+            self.rings = {}
+            return
+        for state in self.states:
+            unit = state.unit
+            if unit is None or unit.group.nnodes != 1 or unit.group.size < 2:
+                continue
+            for dtype, nbytes in unit.reduce_input_bytes().items():
+                key = (id(unit.group), dtype)
+                sizes[key] = (unit.group, max(sizes.get(key, (None, 0))[1], nbytes))
+        # In the order the units come in the module tree, the same on every rank.
+        self.rings = {key: ReduceRing(group, nbytes) for key, (group, nbytes) in sizes.items()}
+
     # -- backward -----------------------------------------------------------------------------
 
     def _pre_backward(self, _grad):
@@ -166,14 +199,13 @@ class State:
 
     def _post_backward(self, unit):
         if self.requires_gradient_sync:
-            unit.reduce(self.requires_all_reduce)
             # One reduction in flight besides this one: the older one's input (a unit's
-            # gradients) is freed now, not at the end of backward.
-            reducing = self.root.reducing
-            reducing.append(self)
-            while len(reducing) > 2:
-                older = reducing.pop(0)
-                older.unit.finish_reduce(older.requires_all_reduce)
+            # gradients) is released now, not at the end of backward.
+            root = self.root
+            while len(root.reducing) > 1:
+                root._finish(root.reducing[0])
+            unit.reduce(self.requires_all_reduce, self._shared_input)
+            root.reducing.append(self)
         if self.reshard_after_backward:
             unit.reshard()
 
@@ -193,10 +225,14 @@ class State:
                     unit.reshard()
         finally:
             self.in_backward = False
+            for ring in self.rings.values():
+                ring.release()
 
     def reset_iter_state(self):
         self.callback_queued = False
         self.reducing = []
+        for ring in self.rings.values():
+            ring.owners = [None, None]
         self.in_backward = False
         self.post_forward_order = []
         for state in self.states:
