@@ -25,13 +25,15 @@ TWO_NODE_SCRIPT = Path("tests") / "scripts" / "two_node_fsdp.py"
 
 # Scenarios per (impl, world size, simulated nodes); see workers_fsdp.SCENARIOS.
 PLAN = {
-    ("dptc", 2, 1): ["gpt", "gpt_fp32", "gpt_nosync", "gpt_frozen", "gpt_bf16", "mixed",
+    ("dptc", 2, 1): ["gpt", "gpt_fp32", "gpt_explicit", "gpt_nosync", "gpt_frozen", "gpt_bf16", "mixed",
                      "gpt_unfreeze_bf16", "gpt_dropgrad_bf16"],
     ("dptc", 3, 1): ["gpt", "gpt_no_reshard", "gpt_nosync", "gpt_prefetch", "gpt_ignored",
                      "odd", "mixed", "gpt_bf16", "odd_bf16"],
     ("dptc", 4, 1): ["gpt_hsdp", "odd_hsdp", "gpt_hsdp_nosync", "gpt_hsdp_noallreduce",
                      "gpt_hsdp_bf16"],
     ("dptc", 4, 2): ["gpt_hsdp", "odd_hsdp"],
+    # (torch's CPUOffloadPolicy() pins memory, which fails without an accelerator, so
+    # "gpt_explicit" runs on dptc only.)
     ("torch", 2, 1): ["gpt_fp32", "gpt_bf16", "gpt_unfreeze_bf16", "gpt_dropgrad_bf16"],
     ("torch", 3, 1): ["gpt", "odd", "gpt_bf16", "mixed", "odd_bf16"],
     ("torch", 4, 1): ["gpt_hsdp", "gpt_hsdp_noallreduce", "gpt_hsdp_bf16"],
@@ -82,6 +84,8 @@ def test_matches_single_process(impl, world_size, nnodes, name):
     (HSDP: the mean over both mesh dims)."""
     tolerance = TOLERANCE.get(name.replace("_hsdp", ""), FLOAT64_TOLERANCE)
     for rank, result in enumerate(_scenario(impl, world_size, name, nnodes=nnodes)):
+        # .grad is a DTensor with its parameter's placements and local shape.
+        assert result["grad_layouts"] == [True], (rank, result["grad_layouts"])
         assert result["ref_rel"] <= tolerance, (rank, result["ref_rel"])
         assert result["grad_rel"] <= tolerance, (rank, result["grad_rel"])
 

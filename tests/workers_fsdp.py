@@ -56,6 +56,8 @@ class Scenario:
     dtype: torch.dtype = torch.float64  # of the GPT's parameters
     hsdp: bool = False                  # a (replicate=2, shard=world/2) mesh
     output_fp32: bool = False           # with mp: output_dtype=float32
+    # An explicit 1-D mesh (init_device_mesh), CPUOffloadPolicy, and AdamW(foreach=True).
+    explicit: bool = False
     # Block 0 in step 0: "freeze" (requires_grad_(False) before the first forward, unfrozen
     # for step 1) or "drop" (trainable, its gradients dropped before step 0's clip and step):
     # the same arithmetic, which torch's fully_shard can do only the second way.
@@ -73,6 +75,7 @@ SCENARIOS = {
     "odd": Scenario(model="odd"),
     "mixed": Scenario(model="mixed"),
     "gpt_fp32": Scenario(dtype=torch.float32),
+    "gpt_explicit": Scenario(explicit=True),
     "gpt_hsdp": Scenario(hsdp=True),
     "odd_hsdp": Scenario(model="odd", hsdp=True),
     "gpt_hsdp_nosync": Scenario(hsdp=True, accumulation="nosync"),
@@ -167,6 +170,10 @@ def _apply(fsdp, model, scenario, impl):
         kwargs["mp_policy"] = fsdp.MixedPrecisionPolicy(
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
             output_dtype=torch.float32 if scenario.output_fp32 else None)
+    if scenario.explicit:
+        from torch.distributed.device_mesh import init_device_mesh
+        kwargs["mesh"] = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+        kwargs["offload_policy"] = fsdp.CPUOffloadPolicy()
     if scenario.hsdp:
         from torch.distributed.device_mesh import init_device_mesh
         world = torch.distributed.get_world_size()
@@ -215,7 +222,7 @@ def _run(impl, name, scenario):
     _apply(fsdp, model, scenario, impl)
     names = [n for n, _ in model.named_parameters()]
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR,
-                            eps=ADAM_EPS)
+                            eps=ADAM_EPS, foreach=True if scenario.explicit else None)
     late = list(model.blocks[0].parameters()) if scenario.late else []
     if scenario.late == "freeze":
         for p in late:
@@ -224,6 +231,7 @@ def _run(impl, name, scenario):
                                 eps=ADAM_EPS) if ref is not None else None
     generator = torch.Generator().manual_seed(SEED + 1)
     grad_rel = 0.0
+    grad_layouts = set()      # whether each .grad has its parameter's placements, local shape
     losses = []
     for step in range(STEPS):
         for micro in range(MICRO):
@@ -245,6 +253,10 @@ def _run(impl, name, scenario):
         if step == 0 and scenario.late == "freeze":
             for p in late:
                 p.requires_grad_(True)
+        grad_layouts.update(
+            (tuple(str(x) for x in p.grad.placements) == tuple(str(x) for x in p.placements)
+             and p.grad.to_local().shape == p.to_local().shape)
+            for p in model.parameters() if p.grad is not None and hasattr(p, "placements"))
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         if ref is not None:
             torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
@@ -268,6 +280,7 @@ def _run(impl, name, scenario):
                        for n, p in zip(names, model.parameters())},
         "dtypes": {n: str(p.dtype) for n, p in zip(names, model.parameters())},
         "class": type(model).__name__,
+        "grad_layouts": sorted(grad_layouts),
         "out_dtype": _OUT_DTYPES[-1],
         "is_original": isinstance(model, type(_build(scenario.model))),
     }
