@@ -29,11 +29,14 @@ __all__ = [
     "ProcessGroup", "init_process_group", "destroy_process_group", "is_initialized", "new_group",
     "get_rank", "get_world_size", "DistributedDataParallel", "DDP",
     "fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method",
-    "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy",
+    "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy", "fully_shard_by_policy",
+    "policy_targets", "transformer_auto_wrap_policy", "size_based_auto_wrap_policy",
+    "lambda_auto_wrap_policy", "ModuleWrapPolicy", "CustomPolicy", "always_wrap_policy",
+    "enable_wrap", "wrap", "checkpoint_wrapper", "apply_activation_checkpointing",
+    "CheckpointImpl", "CheckpointWrapper",
 ]
 
-_FSDP_NAMES = ("fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method",
-               "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy")
+_FSDP_NAMES = tuple(__all__[__all__.index("fully_shard"):])
 
 __version__ = "0.1.0"
 

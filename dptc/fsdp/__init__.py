@@ -6,6 +6,15 @@
 
 from ._api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+from ._wrap import (CheckpointImpl, CheckpointWrapper, CustomPolicy, ModuleWrapPolicy,
+                    always_wrap_policy, apply_activation_checkpointing, checkpoint_wrapper,
+                    enable_wrap, fully_shard_by_policy, lambda_auto_wrap_policy,
+                    policy_targets, size_based_auto_wrap_policy, transformer_auto_wrap_policy,
+                    wrap)
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method",
-           "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy"]
+           "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy", "fully_shard_by_policy",
+           "policy_targets", "transformer_auto_wrap_policy", "size_based_auto_wrap_policy",
+           "lambda_auto_wrap_policy", "ModuleWrapPolicy", "CustomPolicy", "always_wrap_policy",
+           "enable_wrap", "wrap", "checkpoint_wrapper", "apply_activation_checkpointing",
+           "CheckpointImpl", "CheckpointWrapper"]
