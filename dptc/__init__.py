@@ -33,7 +33,9 @@ __all__ = [
     "policy_targets", "transformer_auto_wrap_policy", "size_based_auto_wrap_policy",
     "lambda_auto_wrap_policy", "ModuleWrapPolicy", "CustomPolicy", "always_wrap_policy",
     "enable_wrap", "wrap", "checkpoint_wrapper", "apply_activation_checkpointing",
-    "CheckpointImpl", "CheckpointWrapper",
+    "CheckpointImpl", "CheckpointWrapper", "FullyShardedDataParallel", "FSDP",
+    "ShardingStrategy", "BackwardPrefetch", "MixedPrecision", "CPUOffload", "StateDictType",
+    "FullStateDictConfig", "ShardedStateDictConfig",
 ]
 
 _FSDP_NAMES = tuple(__all__[__all__.index("fully_shard"):])
@@ -48,7 +50,7 @@ def __getattr__(name):
         return DistributedDataParallel
     if name in _FSDP_NAMES:
         from . import fsdp
-        return getattr(fsdp, name)
+        return getattr(fsdp, "FullyShardedDataParallel" if name == "FSDP" else name)
     if name in ("comm_hooks", "ddp", "bench", "fsdp"):
         return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'dptc' has no attribute {name!r}")

@@ -5,6 +5,9 @@
 """
 
 from ._api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from ._fsdp1 import (BackwardPrefetch, CPUOffload, FullStateDictConfig,
+                     FullyShardedDataParallel, MixedPrecision, ShardedStateDictConfig,
+                     ShardingStrategy, StateDictType)
 from ._fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
 from ._wrap import (CheckpointImpl, CheckpointWrapper, CustomPolicy, ModuleWrapPolicy,
                     always_wrap_policy, apply_activation_checkpointing, checkpoint_wrapper,
@@ -17,4 +20,6 @@ __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_
            "policy_targets", "transformer_auto_wrap_policy", "size_based_auto_wrap_policy",
            "lambda_auto_wrap_policy", "ModuleWrapPolicy", "CustomPolicy", "always_wrap_policy",
            "enable_wrap", "wrap", "checkpoint_wrapper", "apply_activation_checkpointing",
-           "CheckpointImpl", "CheckpointWrapper"]
+           "CheckpointImpl", "CheckpointWrapper", "FullyShardedDataParallel", "ShardingStrategy",
+           "BackwardPrefetch", "MixedPrecision", "CPUOffload", "StateDictType",
+           "FullStateDictConfig", "ShardedStateDictConfig"]

@@ -55,6 +55,7 @@ class _Param:
         self.padded = None                    # (size * rows, ...) unsharded storage
         self.unsharded = None                 # nn.Parameter, the first dim0 rows of padded
         self.hook = None                      # its post-accumulate-grad hook
+        self.summoned = None                  # full parameter inside summon_full_params
 
     @property
     def local_shape(self):
@@ -279,6 +280,29 @@ class Unit:
             for p in bucket.params:
                 p.padded.untyped_storage().resize_(0)
                 p.register(p.sharded)
+
+    def summon(self, with_grads=False):
+        """Puts full parameters in their original dtype on the modules (FSDP1's
+        summon_full_params), gathered from the shards, with their full gradients if asked."""
+        self.reshard()
+        for p in self.params:
+            full = p.sharded.full_tensor().detach()
+            p.summoned = nn.Parameter(full, requires_grad=p.sharded.requires_grad)
+            if with_grads and p.sharded.grad is not None:
+                p.summoned.grad = p.sharded.grad.full_tensor()
+            p.register(p.summoned)
+
+    def unsummon(self, writeback):
+        """Puts the sharded parameters back, first copying this rank's rows of the full ones
+        into the shards when writeback is set."""
+        with torch.no_grad():
+            for bucket in self.buckets:
+                for p in bucket.params:
+                    if writeback and p.local_rows and p.summoned is not None:
+                        p.local_view(bucket.flat).copy_(
+                            p.summoned.narrow(0, p.start, p.local_rows))
+                    p.summoned = None
+                    p.register(p.sharded)
 
     # -- gradients ----------------------------------------------------------------------------
 

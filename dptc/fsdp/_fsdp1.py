@@ -1,0 +1,399 @@
+"""FullyShardedDataParallel: torch 2.13's FSDP1 API on dptc's fully_shard core.
+
+Each FullyShardedDataParallel instance wraps one module (``_fsdp_wrapped_module``, as torch's)
+and applies ``fully_shard`` to it: the units, their C state machines and the collectives are
+fully_shard's, not a second implementation.  ``auto_wrap_policy`` wraps the modules it selects
+in nested instances first, children before parents, as torch's auto-wrapping does.  The
+configuration classes are torch's own (``torch.distributed.fsdp``), so a script's enums and
+configs compare equal.
+
+Parameters keep their names as FSDP1 users see them: state-dict keys drop the
+``_fsdp_wrapped_module.`` prefixes, and ``named_parameters()`` drops them inside
+``summon_full_params`` (as torch's, with ``use_orig_params=True``).  There is no flat parameter:
+every parameter is a DTensor shard, as under fully_shard.
+"""
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import (BackwardPrefetch, CPUOffload, FullStateDictConfig,
+                                    MixedPrecision, ShardedStateDictConfig, ShardingStrategy,
+                                    StateDictType)
+from torch.distributed.tensor import DTensor
+
+from ..group import default_group
+from ._api import MixedPrecisionPolicy
+from ._fully_shard import FSDPModule, fully_shard
+from ._wrap import policy_targets
+
+__all__ = ["FullyShardedDataParallel", "ShardingStrategy", "BackwardPrefetch", "MixedPrecision",
+           "CPUOffload", "StateDictType", "FullStateDictConfig", "ShardedStateDictConfig"]
+
+PREFIX = "_fsdp_wrapped_module."
+_HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+
+
+def _clean(name):
+    return name.replace(PREFIX, "")
+
+
+def _mesh_for(strategy, process_group, device_mesh):
+    """The DeviceMesh fully_shard gets: 1-D for FULL_SHARD and SHARD_GRAD_OP; (replicate,
+    shard) for the hybrid strategies (replicate across nodes, shard within one) and for
+    NO_SHARD (replicate over every rank, shards of one rank)."""
+    if device_mesh is not None:
+        if not isinstance(device_mesh, DeviceMesh):
+            raise TypeError(f"device_mesh must be a DeviceMesh, got {type(device_mesh).__name__}")
+        if strategy in _HYBRID and device_mesh.ndim != 2:
+            raise ValueError(f"{strategy} needs a 2-D device_mesh (replicate, shard), got "
+                             f"{device_mesh.ndim} dims")
+        return device_mesh
+    group = default_group()
+    world = dist.get_world_size()
+    if process_group is not None:
+        pg = process_group[0] if isinstance(process_group, tuple) else process_group
+        if dist.get_world_size(pg) != world or (isinstance(process_group, tuple) and
+                                                dist.get_world_size(process_group[1]) != 1 and
+                                                dist.get_world_size(pg) * dist.get_world_size(
+                                                    process_group[1]) != world):
+            raise NotImplementedError(
+                "FullyShardedDataParallel(process_group=...) over a subset of the ranks is not "
+                "implemented by dptc; pass device_mesh=, or leave process_group None")
+    if strategy == ShardingStrategy.NO_SHARD:
+        return init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
+    if strategy in _HYBRID:
+        local = group.local_size
+        return init_device_mesh("cpu", (world // local, local),
+                                mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh("cpu", (world,))
+
+
+def _policy_of(mixed_precision, root):
+    if mixed_precision is None:
+        return MixedPrecisionPolicy()
+    if mixed_precision.keep_low_precision_grads:
+        raise NotImplementedError("MixedPrecision(keep_low_precision_grads=True) is not "
+                                  "implemented by dptc: gradients reach the optimizer in the "
+                                  "parameters' own dtype")
+    cast = mixed_precision.cast_root_forward_inputs if root else \
+        mixed_precision.cast_forward_inputs
+    return MixedPrecisionPolicy(param_dtype=mixed_precision.param_dtype,
+                                reduce_dtype=mixed_precision.reduce_dtype,
+                                cast_forward_inputs=bool(cast))
+
+
+class FullyShardedDataParallel(nn.Module):
+    """torch's ``FullyShardedDataParallel`` with its 2.13 signature, built on
+    ``dptc.fully_shard``.  See the module docstring."""
+
+    def __init__(self, module, process_group=None, sharding_strategy=None, cpu_offload=None,
+                 auto_wrap_policy=None, backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
+                 mixed_precision=None, ignored_modules=None, param_init_fn=None,
+                 device_id=None, sync_module_states=False, forward_prefetch=False,
+                 limit_all_gathers=True, use_orig_params=False, ignored_states=None,
+                 device_mesh=None, _root=True, _mesh=None):
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
+        if device_id is not None and torch.device(device_id).type != "cpu":
+            raise ValueError(f"device_id={device_id!r}: dptc's FullyShardedDataParallel runs "
+                             f"on CPU for now; pass device_id=None or 'cpu'")
+        if cpu_offload is not None and not isinstance(cpu_offload, CPUOffload):
+            raise TypeError(f"cpu_offload must be a CPUOffload, got {cpu_offload!r}")
+        if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
+            raise TypeError(f"mixed_precision must be a MixedPrecision, got "
+                            f"{mixed_precision!r}")
+        strategy = sharding_strategy or ShardingStrategy.FULL_SHARD
+        if not isinstance(strategy, ShardingStrategy):
+            raise TypeError(f"sharding_strategy must be a ShardingStrategy, got {strategy!r}")
+        mesh = _mesh if _mesh is not None else _mesh_for(strategy, process_group, device_mesh)
+        ignored_params = set()
+        for ignored in list(ignored_modules or ()) + list(ignored_states or ()):
+            if isinstance(ignored, nn.Module):
+                ignored_params.update(ignored.parameters())
+            else:
+                ignored_params.add(ignored)
+        self._materialize(module, param_init_fn)
+        if sync_module_states:
+            self._broadcast_from_rank0(module)
+        if mixed_precision is not None and mixed_precision.buffer_dtype is not None:
+            for buffer_module in module.modules():
+                for name, buffer in buffer_module._buffers.items():
+                    if buffer is not None and buffer.is_floating_point():
+                        buffer_module._buffers[name] = buffer.to(mixed_precision.buffer_dtype)
+        self.sharding_strategy = strategy
+        self.mixed_precision = mixed_precision
+        self._is_root_arg = _root
+        self._settings = (StateDictType.FULL_STATE_DICT, FullStateDictConfig())
+        nested = dict(process_group=process_group, sharding_strategy=strategy,
+                      cpu_offload=cpu_offload, backward_prefetch=backward_prefetch,
+                      mixed_precision=mixed_precision, device_id=device_id,
+                      forward_prefetch=forward_prefetch, limit_all_gathers=limit_all_gathers,
+                      use_orig_params=use_orig_params, _root=False, _mesh=mesh)
+        if auto_wrap_policy is not None:
+            targets = policy_targets(module, auto_wrap_policy, ignored_params)
+            parents = {child: (parent, name) for parent in module.modules()
+                       for name, child in parent.named_children()}
+            for target, overrides in targets.items():
+                if any(p in ignored_params for p in target.parameters(recurse=False)):
+                    continue
+                kwargs = {**nested, **overrides}
+                if {"sharding_strategy", "process_group", "device_mesh"} & overrides.keys():
+                    kwargs.pop("_mesh")
+                parent, name = parents[target]
+                setattr(parent, name, FullyShardedDataParallel(
+                    target, ignored_states=list(ignored_params), **kwargs))
+        self._fsdp_wrapped_module = module
+        reshard = strategy not in (ShardingStrategy.SHARD_GRAD_OP,
+                                   ShardingStrategy._HYBRID_SHARD_ZERO2)
+        fully_shard(module, mesh=mesh, reshard_after_forward=reshard if not _root else None,
+                    mp_policy=_policy_of(mixed_precision, _root),
+                    ignored_params=ignored_params or None)
+        self._register_state_dict_hook(FullyShardedDataParallel._post_state_dict)
+        self._register_load_state_dict_pre_hook(FullyShardedDataParallel._pre_load_state_dict,
+                                                with_module=True)
+
+    # -- construction helpers -----------------------------------------------------------------
+
+    @staticmethod
+    def _materialize(module, param_init_fn):
+        if not any(p.is_meta for p in module.parameters()):
+            return
+        if param_init_fn is not None:
+            param_init_fn(module)
+            return
+        module.to_empty(device="cpu", recurse=True)
+        for sub in module.modules():
+            if hasattr(sub, "reset_parameters"):
+                sub.reset_parameters()
+
+    @staticmethod
+    def _broadcast_from_rank0(module):
+        from .. import collectives
+        with torch.no_grad():
+            for tensor in list(module.parameters()) + list(module.buffers()):
+                collectives.broadcast(tensor.data if tensor.is_contiguous() else tensor,
+                                      src=0)
+
+    # -- the module -----------------------------------------------------------------------------
+
+    @property
+    def module(self):
+        """The wrapped module."""
+        return self._fsdp_wrapped_module
+
+    def forward(self, *args, **kwargs):
+        return self._fsdp_wrapped_module(*args, **kwargs)
+
+    def __getattr__(self, name):
+        # Attributes the wrapper lacks are the wrapped module's, as with torch's.
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._fsdp_wrapped_module, name)
+
+    def __getitem__(self, key):
+        return self._fsdp_wrapped_module.__getitem__(key)
+
+    # As torch's: names carry the _fsdp_wrapped_module. prefixes, except inside
+    # summon_full_params, where they are the original module's.
+    _summoning = 0
+
+    def named_parameters(self, *args, **kwargs):
+        for name, param in super().named_parameters(*args, **kwargs):
+            yield (_clean(name) if FullyShardedDataParallel._summoning else name), param
+
+    def named_buffers(self, *args, **kwargs):
+        for name, buffer in super().named_buffers(*args, **kwargs):
+            yield (_clean(name) if FullyShardedDataParallel._summoning else name), buffer
+
+    @staticmethod
+    def fsdp_modules(module, root_only=False):
+        """Every FullyShardedDataParallel instance in module's tree (the outermost only, with
+        root_only)."""
+        found = [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
+        if root_only:
+            found = [m for m in found if not any(m is not o and any(m is x for x in o.modules())
+                                                 for o in found)]
+        return found
+
+    def check_is_root(self):
+        """Whether this instance is (or, before the first forward, will be) the root."""
+        state = self._fsdp_wrapped_module.__dict__["_dptc_fsdp_state"]
+        return state.root is state or state.root is None and self._is_root_arg
+
+    # -- training -------------------------------------------------------------------------------
+
+    def _units(self):
+        return [m for m in self.modules() if isinstance(m, FSDPModule)]
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Gradients accumulate unsharded, without communication, inside the context; the
+        first backward after it reduces their sum (memory: one unsharded gradient of the
+        model per rank, as torch's)."""
+        units = self._units()
+        for unit in units:
+            unit.set_requires_gradient_sync(False, recurse=False)
+        try:
+            yield
+        finally:
+            for unit in units:
+                unit.set_requires_gradient_sync(True, recurse=False)
+
+    def clip_grad_norm_(self, max_norm, norm_type=2.0):
+        """Clips the gradients of every parameter to a total norm of max_norm; returns the
+        total norm before clipping (over all ranks' shards)."""
+        norm = torch.nn.utils.clip_grad_norm_(list(self.parameters()), max_norm, norm_type)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+    @staticmethod
+    @contextlib.contextmanager
+    def summon_full_params(module, recurse=True, writeback=True, rank0_only=False,
+                           offload_to_cpu=False, with_grads=False):
+        """Within the context the modules hold their full parameters in their original
+        dtype (every instance in module's tree, or only module's own with recurse=False);
+        with writeback, changes to them are copied back into the shards on exit.  rank0_only: the other ranks keep their
+        shards (writeback is then refused, as torch refuses it).  with_grads: the full
+        gradients too.  offload_to_cpu changes nothing: the parameters are on the CPU."""
+        if rank0_only and writeback:
+            raise ValueError("summon_full_params(rank0_only=True, writeback=True) is not "
+                             "supported: the other ranks would have nothing to write back; "
+                             "pass writeback=False")
+        instances = FullyShardedDataParallel.fsdp_modules(module) if recurse else [module]
+        units = [fsdp._fsdp_wrapped_module.__dict__["_dptc_fsdp_state"].unit
+                 for fsdp in instances]
+        units = [unit for unit in units if unit is not None]
+        for unit in units:
+            unit.reset_sharded()
+            unit.summon(with_grads)
+        if rank0_only and dist.get_rank() != 0:
+            for unit in units:
+                unit.unsummon(writeback=False)
+        FullyShardedDataParallel._summoning += 1
+        try:
+            yield
+        finally:
+            FullyShardedDataParallel._summoning -= 1
+            for unit in units:
+                unit.unsummon(writeback and not rank0_only)
+
+    # -- state dicts ----------------------------------------------------------------------------
+
+    @staticmethod
+    def set_state_dict_type(module, state_dict_type, state_dict_config=None,
+                            optim_state_dict_config=None):
+        if not isinstance(state_dict_type, StateDictType):
+            raise TypeError(f"state_dict_type must be a StateDictType, got {state_dict_type!r}")
+        if state_dict_type not in (StateDictType.FULL_STATE_DICT,
+                                   StateDictType.SHARDED_STATE_DICT):
+            raise NotImplementedError(f"{state_dict_type} is not implemented by dptc; use "
+                                      f"FULL_STATE_DICT or SHARDED_STATE_DICT")
+        config = state_dict_config or (FullStateDictConfig() if state_dict_type ==
+                                       StateDictType.FULL_STATE_DICT
+                                       else ShardedStateDictConfig())
+        previous = None
+        for fsdp in FullyShardedDataParallel.fsdp_modules(module):
+            previous = previous or fsdp._settings
+            fsdp._settings = (state_dict_type, config)
+        return previous
+
+    @staticmethod
+    @contextlib.contextmanager
+    def state_dict_type(module, state_dict_type, state_dict_config=None,
+                        optim_state_dict_config=None):
+        """Within the context, ``state_dict()`` and ``load_state_dict()`` of module's
+        FullyShardedDataParallel instances use ``state_dict_type``: FULL_STATE_DICT (full
+        tensors; FullStateDictConfig(offload_to_cpu, rank0_only)) or SHARDED_STATE_DICT (the
+        DTensor shards)."""
+        previous = FullyShardedDataParallel.set_state_dict_type(module, state_dict_type,
+                                                                state_dict_config)
+        try:
+            yield
+        finally:
+            if previous is not None:
+                FullyShardedDataParallel.set_state_dict_type(module, *previous)
+
+    def _post_state_dict(self, state_dict, prefix, local_metadata):
+        kind, config = self._settings
+        full = kind == StateDictType.FULL_STATE_DICT
+        rank0_only = full and getattr(config, "rank0_only", False)
+        for key in [k for k in state_dict if k.startswith(prefix)]:
+            value = state_dict.pop(key)
+            if full and isinstance(value, DTensor):
+                value = value.full_tensor()
+            if rank0_only and dist.get_rank() != 0:
+                continue
+            state_dict[_clean(key)] = value
+        return state_dict
+
+    @staticmethod
+    def _pre_load_state_dict(module, state_dict, prefix, *args):
+        for key in [k for k in state_dict if k.startswith(prefix)
+                    and not k[len(prefix):].startswith(PREFIX)]:
+            value = state_dict.pop(key)
+            target = module._fsdp_wrapped_module
+            path = key[len(prefix):]
+            state_dict[prefix + PREFIX + path] = _as_shard(target, path, value)
+
+    @staticmethod
+    def optim_state_dict(model, optim, optim_state_dict=None, group=None):
+        """The optimizer's state dict keyed by parameter names, full tensors under
+        FULL_STATE_DICT and DTensor shards under SHARDED_STATE_DICT."""
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                             get_optimizer_state_dict)
+        kind, config = model._settings
+        full = kind == StateDictType.FULL_STATE_DICT
+        with _original_names():
+            return get_optimizer_state_dict(model, optim, options=StateDictOptions(
+                full_state_dict=full, cpu_offload=full and getattr(config, "rank0_only", False)))
+
+    @staticmethod
+    def optim_state_dict_to_load(model, optim, optim_state_dict, is_named_optimizer=False,
+                                 load_directly=False, group=None):
+        """Loads optim_state_dict (from optim_state_dict) into optim; returns the optimizer's
+        resulting state dict, ready for ``optim.load_state_dict``."""
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                             set_optimizer_state_dict)
+        kind, _ = model._settings
+        # Back to the names torch's loader walks the modules by (with the prefixes).
+        prefixed = {_clean(name): name for name, _ in model.named_parameters()}
+        state = {"state": {prefixed.get(k, k): v
+                           for k, v in optim_state_dict["state"].items()},
+                 "param_groups": [dict(group, params=[prefixed.get(k, k)
+                                                      for k in group["params"]])
+                                  for group in optim_state_dict["param_groups"]]}
+        set_optimizer_state_dict(model, optim, state, options=StateDictOptions(
+            full_state_dict=kind == StateDictType.FULL_STATE_DICT))
+        return optim.state_dict()
+
+
+@contextlib.contextmanager
+def _original_names():
+    """named_parameters() without the _fsdp_wrapped_module. prefixes, so optimizer state
+    dicts are keyed by the original names, as FSDP1's are."""
+    FullyShardedDataParallel._summoning += 1
+    try:
+        yield
+    finally:
+        FullyShardedDataParallel._summoning -= 1
+
+
+def _as_shard(module, path, value):
+    """A full tensor loaded into a sharded parameter becomes that rank's DTensor piece."""
+    *owners, name = path.split(".")
+    target = module
+    for owner in owners:
+        target = getattr(target, owner, None)
+        if target is None:
+            return value
+    param = target._parameters.get(name) if isinstance(target, nn.Module) else None
+    if not isinstance(param, DTensor) or isinstance(value, DTensor) or \
+            tuple(value.shape) != tuple(param.shape):
+        return value
+    from torch.distributed.tensor import distribute_tensor
+    return distribute_tensor(value.to(param.dtype), param.device_mesh, param.placements,
+                             src_data_rank=None)

@@ -1,0 +1,107 @@
+"""FullyShardedDataParallel (FSDP1's API) on dptc's fully_shard core.
+
+Layer: several ranks; rank-side code in tests/workers_fsdp1.py.  One launch per (impl, world
+size) trains every sharding strategy against single-process training (float64 GPT,
+transformer_auto_wrap_policy, no_sync accumulation, the wrapper's clip_grad_norm_, AdamW);
+torch's own FullyShardedDataParallel (gloo, device_id="cpu") runs the same code as a check
+of the test and as the reference for the bf16 MixedPrecision.  One more dptc launch covers
+summon_full_params and the state dicts.
+"""
+
+import pytest
+import torch
+
+from tests._launch import run_ranks
+
+LAUNCH_TIMEOUT_S = 240
+FLOAT64_TOLERANCE = 1e-10
+STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD",
+              "_HYBRID_SHARD_ZERO2"]
+PLAN = {
+    ("dptc", 2, 1): (STRATEGIES, ["FULL_SHARD"]),
+    ("dptc", 3, 1): (["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"], []),
+    ("dptc", 4, 2): (["HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"], []),
+    ("torch", 2, 1): (["FULL_SHARD", "NO_SHARD"], ["FULL_SHARD"]),
+}
+_launches = {}
+
+
+def _results(impl, world_size, nnodes):
+    key = (impl, world_size, nnodes)
+    if key not in _launches:
+        strategies, mp = PLAN[key]
+        try:
+            _launches[key] = run_ranks("tests.workers_fsdp1:strategy_cases", world_size,
+                                       args={"impl": impl, "strategies": strategies,
+                                             "mp_strategies": mp},
+                                       nnodes=nnodes, timeout=LAUNCH_TIMEOUT_S,
+                                       reference=impl == "torch")
+        except AssertionError as error:
+            _launches[key] = error
+    if isinstance(_launches[key], AssertionError):
+        raise _launches[key]
+    return _launches[key]
+
+
+CASES = [(impl, ws, nodes, s) for (impl, ws, nodes), (strategies, _) in PLAN.items()
+         for s in strategies]
+
+
+@pytest.mark.parametrize("impl,world_size,nnodes,strategy", CASES,
+                         ids=[f"{i}-ws{w}-n{n}-{s}" for i, w, n, s in CASES])
+def test_strategy_matches_single_process(impl, world_size, nnodes, strategy):
+    """Every strategy (HYBRID across 2 simulated nodes too): parameters and the clipped norm
+    as the reference's (dptc in float64: summation order only; torch's runs in float32, whose
+    clip_grad_norm_ refuses float64, within 1e-5), parameter names and state-dict keys the
+    original module's, one instance per block plus the root."""
+    tolerance, norm_tolerance = (FLOAT64_TOLERANCE, 1e-9) if impl == "dptc" else (1e-5, 1e-4)
+    for rank, ranks in enumerate(_results(impl, world_size, nnodes)):
+        result = ranks[strategy]
+        assert result["ok"], f"rank {rank}:\n{result.get('error')}"
+        assert result["ref_rel"] <= tolerance, (rank, result["ref_rel"])
+        assert result["norm_diff"] <= norm_tolerance, (rank, result["norm_diff"])
+        # Names as torch's show them: prefixed, the original ones inside summon_full_params.
+        assert [n.replace("_fsdp_wrapped_module.", "") for n in result["names"]] == \
+            result["ref_names"] != result["names"]
+        assert result["summoned_names"] == result["ref_names"]
+        assert not any("_fsdp_wrapped_module" in k for k in result["keys"])
+        assert result["instances"] == 3
+        if (impl, world_size, strategy) == ("dptc", 2, "FULL_SHARD"):
+            theirs = _results("torch", 2, 1)[0][strategy]
+            assert result["names"] == theirs["names"] and result["keys"] == theirs["keys"]
+
+
+def test_bf16_mixed_precision_matches_torch():
+    """MixedPrecision(param_dtype=bfloat16, reduce_dtype=float32), FULL_SHARD, 2 ranks: the
+    trained parameters equal torch's FullyShardedDataParallel's within 1e-6 (the same bf16
+    casts and compute; 2-rank float32 sums are exact either way)."""
+    mine = _results("dptc", 2, 1)[0]["FULL_SHARD+bf16"]
+    theirs = _results("torch", 2, 1)[0]["FULL_SHARD+bf16"]
+    assert mine["ok"] and theirs["ok"], (mine.get("error"), theirs.get("error"))
+    worst = 0.0
+    for a, b in zip(mine["params"], theirs["params"]):
+        a, b = torch.tensor(a), torch.tensor(b)
+        worst = max(worst, ((a - b).abs().max() / b.abs().max()).item())
+    assert worst <= 1e-6, worst
+
+
+def test_summon_full_params_and_state_dicts():
+    """summon_full_params gives the reference's full parameters and writes changes back;
+    FULL_STATE_DICT with offload_to_cpu and rank0_only gives rank 0 the reference's plain
+    tensors under the original keys and the other ranks nothing; SHARDED_STATE_DICT gives
+    DTensors; both, with optim_state_dict / optim_state_dict_to_load, resume training into a
+    fresh model exactly as the uninterrupted run continues (measured: bit-identical).  The
+    optimizer state is keyed by the original parameter names."""
+    results = run_ranks("tests.workers_fsdp1:state_cases", 2, timeout=LAUNCH_TIMEOUT_S)
+    for rank, result in enumerate(results):
+        assert result["summon_rel"] <= FLOAT64_TOLERANCE, result
+        assert result["writeback_rel"] <= FLOAT64_TOLERANCE, result
+        assert result["full_plain"]
+        if rank == 0:
+            assert result["full_keys_equal"] and result["full_rel"] <= FLOAT64_TOLERANCE
+        else:
+            assert result["full_keys"] == 0, result
+        assert result["sharded_types"] == ["DTensor"] and result["sharded_keys_equal"]
+        assert result["optim_keys_equal"], "optimizer state keyed by the original names"
+        assert result["resumed_full_rel"] <= FLOAT64_TOLERANCE, result
+        assert result["resumed_sharded_rel"] <= FLOAT64_TOLERANCE, result

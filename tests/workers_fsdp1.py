@@ -1,0 +1,236 @@
+"""Rank-side bodies of tests/test_fsdp1.py: FullyShardedDataParallel (FSDP1's API) from dptc
+and from torch (gloo, device_id="cpu"), against single-process training.
+
+The model is examples/gpt.py's GPT in float64 (d_model 32, vocab 64: uneven at 3 ranks),
+wrapped with transformer_auto_wrap_policy.  A step is 2 micro-batches (the first under
+no_sync()), the wrapper's clip_grad_norm_(1.0), then AdamW.
+"""
+
+import functools
+import traceback
+
+import torch
+
+from examples.gpt import GPT, Block
+from tests._rank import load_impl
+from tests.workers_fsdp_wrap import build
+
+__all__ = ["strategy_cases", "state_cases"]
+
+SEED = 5
+LR = 1e-3
+ROWS = 4
+STEPS = 2
+
+
+def _api(impl):
+    load_impl(impl)
+    if impl == "dptc":
+        import dptc as api
+        api.init_process_group()
+        return api, api.FullyShardedDataParallel
+    import torch.distributed.fsdp as api
+    return api, api.FullyShardedDataParallel
+
+
+def _wrap(impl, model, strategy, mp=False):
+    api, FSDP = _api(impl)
+    kwargs = {}
+    if mp:
+        kwargs["mixed_precision"] = api.MixedPrecision(param_dtype=torch.bfloat16,
+                                                       reduce_dtype=torch.float32)
+    return FSDP(model, sharding_strategy=getattr(api.ShardingStrategy, strategy),
+                auto_wrap_policy=functools.partial(
+                    _policy(impl), transformer_layer_cls={Block}),
+                device_id="cpu", use_orig_params=True, **kwargs)
+
+
+def _policy(impl):
+    if impl == "dptc":
+        from dptc import transformer_auto_wrap_policy
+    else:
+        from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+    return transformer_auto_wrap_policy
+
+
+def _full(tensor):
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def _rel(values, refs):
+    worst = 0.0
+    for value, ref in zip(values, refs):
+        scale = ref.abs().max().item()
+        worst = max(worst, (value.double() - ref.double()).abs().max().item() / scale)
+    return worst
+
+
+def _train(impl, wrapped, ref, rank, world, steps=STEPS, opt=None, generator=None):
+    import torch.distributed as dist
+    opt = opt or torch.optim.AdamW(wrapped.parameters(), lr=LR)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR) if ref is not None else None
+    generator = generator or torch.Generator().manual_seed(SEED)
+    mine = slice(rank * ROWS, (rank + 1) * ROWS)
+    norms = []
+    for _ in range(steps):
+        for micro in range(2):
+            idx = torch.randint(0, 64, (ROWS * world, 9), generator=generator)
+            x, y = idx[:, :-1], idx[:, 1:]
+            if micro == 0:
+                with wrapped.no_sync():
+                    (GPT.loss(wrapped(x[mine]), y[mine]) / 2).backward()
+            else:
+                (GPT.loss(wrapped(x[mine]), y[mine]) / 2).backward()
+            if ref is not None:
+                (GPT.loss(ref(x), y) / 2).backward()
+        norms.append(float(wrapped.clip_grad_norm_(1.0)))
+        opt.step()
+        opt.zero_grad()
+        if ref is not None:
+            norms[-1] -= float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0))
+            ref_opt.step()
+            ref_opt.zero_grad()
+    del dist
+    return opt, norms
+
+
+def strategy_cases(impl, strategies, mp_strategies=()):
+    """Per strategy: the parameters' names, the FSDP instances, the parameters after training
+    against the reference (or, for mp_strategies, the trained parameters themselves)."""
+    import torch.distributed as dist
+    _api(impl)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for strategy in list(strategies) + [f"{s}+bf16" for s in mp_strategies]:
+        try:
+            mp = strategy.endswith("+bf16")
+            # torch's FullyShardedDataParallel.clip_grad_norm_ refuses float64 gradients
+            # (it asks vector_norm for a float32 result), so its runs train in float32.
+            float32 = mp or impl == "torch"
+            model = build(n_layer=2)
+            ref = build(n_layer=2) if not mp else None
+            if float32:
+                model = model.float()
+                ref = ref.float() if ref is not None else None
+            wrapped = _wrap(impl, model, strategy.removesuffix("+bf16"), mp=mp)
+            FSDP = _api(impl)[1]
+            names = [n for n, _ in wrapped.named_parameters()]
+            with FSDP.summon_full_params(wrapped, writeback=False):
+                summoned_names = [n for n, _ in wrapped.named_parameters()]
+            _, norms = _train(impl, wrapped, ref, rank, world)
+            with FSDP.summon_full_params(wrapped, writeback=False):
+                params = [p.detach().clone() for p in wrapped.parameters()]
+            result = {"ok": True, "names": names, "summoned_names": summoned_names,
+                      "instances": len(FSDP.fsdp_modules(wrapped)),
+                      "keys": list(wrapped.state_dict().keys())}
+            if ref is not None:
+                result["ref_names"] = [n for n, _ in ref.named_parameters()]
+                result["ref_rel"] = _rel(params, [p.detach() for p in ref.parameters()])
+                result["norm_diff"] = max(abs(n) for n in norms)
+            else:
+                result["params"] = [p.double().flatten().tolist() for p in params]
+            out[strategy] = result
+        except Exception:  # noqa: BLE001 - reported to the test
+            out[strategy] = {"ok": False, "error": traceback.format_exc()}
+    if impl == "dptc":
+        import dptc
+        dptc.destroy_process_group()
+    else:
+        dist.destroy_process_group()
+    return out
+
+
+def state_cases():
+    """dptc only, FULL_SHARD: summon_full_params with writeback; FULL_STATE_DICT with
+    offload_to_cpu and rank0_only, SHARDED_STATE_DICT; their round trips; and
+    optim_state_dict / optim_state_dict_to_load resuming training exactly."""
+    import dptc
+    from dptc import FullStateDictConfig, StateDictType
+    FSDP = dptc.FullyShardedDataParallel
+    _api("dptc")
+    rank, world = dptc.get_rank(), dptc.get_world_size()
+    out = {}
+    ref = build(n_layer=2)
+    wrapped = _wrap("dptc", build(n_layer=2), "FULL_SHARD")
+    generator = torch.Generator().manual_seed(SEED)
+    opt, _ = _train("dptc", wrapped, ref, rank, world, generator=generator)
+
+    with FSDP.summon_full_params(wrapped):
+        out["summon_rel"] = _rel([p.detach() for p in wrapped.parameters()],
+                                 [p.detach() for p in ref.parameters()])
+        with torch.no_grad():
+            for p in wrapped.parameters():
+                p.add_(1.0)
+    out["writeback_rel"] = _rel([_full(p).detach() for p in wrapped.parameters()],
+                                [p.detach() + 1.0 for p in ref.parameters()])
+    with FSDP.summon_full_params(wrapped):
+        with torch.no_grad():
+            for p in wrapped.parameters():
+                p.sub_(1.0)
+
+    # State dicts hold live tensors (the shards, AdamW's step counters): clone them, or the
+    # uninterrupted run's next step would change them.
+    with FSDP.state_dict_type(wrapped, StateDictType.FULL_STATE_DICT,
+                              FullStateDictConfig(offload_to_cpu=True, rank0_only=True)):
+        full = _clone(wrapped.state_dict())
+        optim_full = _clone(FSDP.optim_state_dict(wrapped, opt))
+    out["full_keys"] = len(full)
+    out["full_keys_equal"] = list(full) == list(ref.state_dict()) if rank == 0 else None
+    out["full_rel"] = _rel([full[k] for k in ref.state_dict()], ref.state_dict().values()) \
+        if rank == 0 else None
+    out["full_plain"] = all(type(v) is torch.Tensor for v in full.values())
+    with FSDP.state_dict_type(wrapped, StateDictType.SHARDED_STATE_DICT):
+        sharded = _clone(wrapped.state_dict())
+        optim_sharded = _clone(FSDP.optim_state_dict(wrapped, opt))
+    out["sharded_types"] = sorted({type(v).__name__ for v in sharded.values()})
+    out["optim_keys_equal"] = sorted(optim_sharded["state"]) == sorted(
+        n for n, p in ref.named_parameters() if p.requires_grad)
+    out["sharded_keys_equal"] = list(sharded) == list(ref.state_dict())
+
+    # Continue training from the full and from the sharded state, into fresh wrappers, and
+    # against the uninterrupted run.
+    uninterrupted = [p.detach().clone() for p in ref.parameters()]
+    state = torch.get_rng_state()
+    continued = {}
+    for kind in ("uninterrupted", "full", "sharded"):
+        generator_copy = torch.Generator().manual_seed(SEED + 100)
+        if kind == "uninterrupted":
+            model, model_opt = wrapped, opt
+        else:
+            model = _wrap("dptc", build(n_layer=2), "FULL_SHARD")
+            model_opt = torch.optim.AdamW(model.parameters(), lr=LR)
+            if kind == "full":
+                everyone = [full]
+                import torch.distributed as dist
+                dist.broadcast_object_list(everyone, src=0)
+                with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+                    model.load_state_dict(everyone[0])
+                    model_opt.load_state_dict(FSDP.optim_state_dict_to_load(
+                        model, model_opt, _broadcast(optim_full)))
+            else:
+                with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+                    model.load_state_dict(sharded)
+                    model_opt.load_state_dict(FSDP.optim_state_dict_to_load(
+                        model, model_opt, optim_sharded))
+        _train("dptc", model, None, rank, world, steps=1, opt=model_opt,
+               generator=generator_copy)
+        with FSDP.summon_full_params(model, writeback=False):
+            continued[kind] = [p.detach().clone() for p in model.parameters()]
+    torch.set_rng_state(state)
+    del uninterrupted
+    out["resumed_full_rel"] = _rel(continued["full"], continued["uninterrupted"])
+    out["resumed_sharded_rel"] = _rel(continued["sharded"], continued["uninterrupted"])
+    dptc.destroy_process_group()
+    return out
+
+
+def _clone(state):
+    from torch.utils._pytree import tree_map
+    return tree_map(lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v, state)
+
+
+def _broadcast(obj):
+    import torch.distributed as dist
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
