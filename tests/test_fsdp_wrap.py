@@ -131,7 +131,7 @@ def test_selective_checkpointing_saves_chosen_ops():
 def test_fully_shard_by_policy_trains():
     """fully_shard_by_policy at 2 ranks: the units each policy makes (the root last), a
     CustomPolicy's override on its module, and parameters after 2 AdamW steps against the
-    single-process reference."""
+    single-process reference; also fully_shard of a list of modules (one unit)."""
     results = run_ranks("tests.workers_fsdp_wrap:policy_case", 2, timeout=LAUNCH_TIMEOUT_S)
     for result in results:
         blocks = ["<root>", "blocks.0", "blocks.1", "blocks.2"]
@@ -140,6 +140,8 @@ def test_fully_shard_by_policy_trains():
         assert result["custom"]["units"] == blocks
         assert result["custom"]["reshard_after_forward"] == [True, False, True]
         assert "<root>" in result["size"]["units"] and len(result["size"]["units"]) > 1
+        # fully_shard([blocks[0], blocks[1]]): both modules share one unit.
+        assert result["list"]["units"] == blocks and result["list"]["shared_state"]
         for name, outcome in result.items():
             assert outcome["ref_rel"] <= FLOAT64_TOLERANCE, (name, outcome)
 

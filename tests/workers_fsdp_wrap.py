@@ -106,6 +106,15 @@ def policy_case():
     out["custom"] = {"units": _unit_names(model),
                      "reshard_after_forward": [s.reshard_after_forward for s in states],
                      "ref_rel": rel}
+    # fully_shard of a list: one unit over two blocks.
+    model, ref = build(), build()
+    dptc.fully_shard([model.blocks[0], model.blocks[1]])
+    dptc.fully_shard(model.blocks[2])
+    dptc.fully_shard(model)
+    rel = train(model, ref, rank, world)
+    out["list"] = {"units": _unit_names(model), "ref_rel": rel,
+                   "shared_state": model.blocks[0].__dict__["_dptc_fsdp_state"] is
+                   model.blocks[1].__dict__["_dptc_fsdp_state"]}
     dptc.destroy_process_group()
     return out
 
