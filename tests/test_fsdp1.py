@@ -123,3 +123,17 @@ def test_hybrid_shard_two_torchrun_nodes():
     found = re.findall(r"TWO_NODE_FSDP_OK rank=(\d+) ref_rel=(\S+)", text)
     assert sorted(int(rank) for rank, _ in found) == [0, 1, 2, 3], report
     assert all(float(rel) <= FLOAT64_TOLERANCE for _, rel in found), found
+
+
+def test_construction_options_and_checkpointing():
+    """sync_module_states makes rank 1 start from rank 0's weights; param_init_fn runs once
+    per module left on the meta device; ignored_modules stay whole; activation checkpointing
+    applied after wrapping keeps the numbers and the state-dict keys: each trained against the
+    single-process reference (float64)."""
+    for result in run_ranks("tests.workers_fsdp1:extras_case", 2, timeout=LAUNCH_TIMEOUT_S):
+        assert result["sync_rel"] <= FLOAT64_TOLERANCE, result
+        assert result["init_all"] and result["init_modules"] > 0, result
+        assert result["ignored_plain"] and result["ignored_rel"] <= FLOAT64_TOLERANCE, result
+        assert result["checkpointed"] == 2, result
+        assert result["checkpoint_rel"] <= FLOAT64_TOLERANCE, result
+        assert result["checkpoint_keys"], result

@@ -224,6 +224,78 @@ def state_cases():
     return out
 
 
+def extras_case():
+    """dptc, FULL_SHARD, 2 ranks: sync_module_states (rank 1 starts from other weights),
+    param_init_fn on a meta-device model, ignored_modules (a frozen embedding kept whole), and
+    activation checkpointing applied to the blocks after wrapping; each trained against the
+    single-process reference."""
+    import dptc
+    from dptc import CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper
+    api, FSDP = _api("dptc")
+    rank, world = dptc.get_rank(), dptc.get_world_size()
+    policy = functools.partial(api.transformer_auto_wrap_policy, transformer_layer_cls={Block})
+    out = {}
+
+    ref = build(n_layer=2)
+    model = build(n_layer=2)
+    if rank == 1:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_()
+    wrapped = FSDP(model, auto_wrap_policy=policy, sync_module_states=True)
+    _train("dptc", wrapped, ref, rank, world)
+    with FSDP.summon_full_params(wrapped, writeback=False):
+        out["sync_rel"] = _rel([p.detach() for p in wrapped.parameters()],
+                               [p.detach() for p in ref.parameters()])
+
+    with torch.device("meta"):
+        model = build_meta()
+    initialised = []
+
+    def init(module):
+        initialised.append(type(module).__name__)
+        module.to_empty(device="cpu", recurse=False)
+        with torch.no_grad():
+            for p in module.parameters(recurse=False):
+                p.fill_(0.25)
+    wrapped = FSDP(model, auto_wrap_policy=policy, param_init_fn=init)
+    with FSDP.summon_full_params(wrapped, writeback=False):
+        values = torch.cat([p.detach().flatten() for p in wrapped.parameters()])
+    out["init_all"] = bool((values == 0.25).all())
+    out["init_modules"] = len(initialised)
+
+    ref = build(n_layer=2)
+    model = build(n_layer=2)
+    for m in (model, ref):
+        m.pos_emb.weight.requires_grad_(False)
+    wrapped = FSDP(model, auto_wrap_policy=policy, ignored_modules=[model.pos_emb])
+    out["ignored_plain"] = not isinstance(model.pos_emb.weight, torch.distributed.tensor.DTensor)
+    _train("dptc", wrapped, ref, rank, world)
+    with FSDP.summon_full_params(wrapped, writeback=False):
+        out["ignored_rel"] = _rel([p.detach() for p in wrapped.parameters()],
+                                  [p.detach() for p in ref.parameters()])
+
+    ref = build(n_layer=2)
+    wrapped = FSDP(build(n_layer=2), auto_wrap_policy=policy)
+    apply_activation_checkpointing(
+        wrapped, checkpoint_wrapper_fn=functools.partial(
+            checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
+        check_fn=lambda m: isinstance(m, Block))
+    out["checkpointed"] = sum(type(m).__name__ == "CheckpointWrapper" for m in wrapped.modules())
+    _train("dptc", wrapped, ref, rank, world)
+    with FSDP.summon_full_params(wrapped, writeback=False):
+        out["checkpoint_rel"] = _rel([p.detach() for p in wrapped.parameters()],
+                                     [p.detach() for p in ref.parameters()])
+    out["checkpoint_keys"] = list(wrapped.state_dict()) == list(ref.state_dict())
+    dptc.destroy_process_group()
+    return out
+
+
+def build_meta():
+    from examples.gpt import build_gpt
+    return build_gpt(vocab=64, d_model=32, n_layer=2, n_head=4, ctx=16, bias=False).double()
+
+
 def _clone(state):
     from torch.utils._pytree import tree_map
     return tree_map(lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v, state)

@@ -152,6 +152,9 @@ class FullyShardedDataParallel(nn.Module):
         fully_shard(module, mesh=mesh, reshard_after_forward=reshard if not _root else None,
                     mp_policy=_policy_of(mixed_precision, _root),
                     ignored_params=ignored_params or None)
+        # The unit's State, kept here: activation checkpointing applied later may put a
+        # wrapper between this instance and the module it shards.
+        self.__dict__["_fsdp_state"] = module.__dict__["_dptc_fsdp_state"]
         self._register_state_dict_hook(FullyShardedDataParallel._post_state_dict)
         self._register_load_state_dict_pre_hook(FullyShardedDataParallel._pre_load_state_dict,
                                                 with_module=True)
@@ -160,13 +163,17 @@ class FullyShardedDataParallel(nn.Module):
 
     @staticmethod
     def _materialize(module, param_init_fn):
-        if not any(p.is_meta for p in module.parameters()):
-            return
-        if param_init_fn is not None:
-            param_init_fn(module)
-            return
-        module.to_empty(device="cpu", recurse=True)
-        for sub in module.modules():
+        """Modules still on the meta device (those nested instances did not take) get
+        param_init_fn(m), one module at a time as torch calls it, or else to_empty on the CPU
+        and their own reset_parameters()."""
+        pending = [m for m in module.modules()
+                   if any(t.is_meta for t in list(m.parameters(recurse=False)) +
+                          list(m.buffers(recurse=False)))]
+        for sub in pending:
+            if param_init_fn is not None:
+                param_init_fn(sub)
+                continue
+            sub.to_empty(device="cpu", recurse=False)
             if hasattr(sub, "reset_parameters"):
                 sub.reset_parameters()
 
@@ -222,7 +229,7 @@ class FullyShardedDataParallel(nn.Module):
 
     def check_is_root(self):
         """Whether this instance is (or, before the first forward, will be) the root."""
-        state = self._fsdp_wrapped_module.__dict__["_dptc_fsdp_state"]
+        state = self.__dict__["_fsdp_state"]
         return state.root is state or state.root is None and self._is_root_arg
 
     # -- training -------------------------------------------------------------------------------
@@ -264,8 +271,7 @@ class FullyShardedDataParallel(nn.Module):
                              "supported: the other ranks would have nothing to write back; "
                              "pass writeback=False")
         instances = FullyShardedDataParallel.fsdp_modules(module) if recurse else [module]
-        units = [fsdp._fsdp_wrapped_module.__dict__["_dptc_fsdp_state"].unit
-                 for fsdp in instances]
+        units = [fsdp.__dict__["_fsdp_state"].unit for fsdp in instances]
         units = [unit for unit in units if unit is not None]
         for unit in units:
             unit.reset_sharded()
