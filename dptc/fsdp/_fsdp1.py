@@ -54,11 +54,9 @@ def _mesh_for(strategy, process_group, device_mesh):
     group = default_group()
     world = dist.get_world_size()
     if process_group is not None:
-        pg = process_group[0] if isinstance(process_group, tuple) else process_group
-        if dist.get_world_size(pg) != world or (isinstance(process_group, tuple) and
-                                                dist.get_world_size(process_group[1]) != 1 and
-                                                dist.get_world_size(pg) * dist.get_world_size(
-                                                    process_group[1]) != world):
+        groups = process_group if isinstance(process_group, tuple) else (process_group,)
+        shard, *replicate = [dist.get_world_size(g) for g in groups]
+        if shard != world or any(size != 1 for size in replicate):
             raise NotImplementedError(
                 "FullyShardedDataParallel(process_group=...) over a subset of the ranks is not "
                 "implemented by dptc; pass device_mesh=, or leave process_group None")
@@ -263,9 +261,10 @@ class FullyShardedDataParallel(nn.Module):
                            offload_to_cpu=False, with_grads=False):
         """Within the context the modules hold their full parameters in their original
         dtype (every instance in module's tree, or only module's own with recurse=False);
-        with writeback, changes to them are copied back into the shards on exit.  rank0_only: the other ranks keep their
-        shards (writeback is then refused, as torch refuses it).  with_grads: the full
-        gradients too.  offload_to_cpu changes nothing: the parameters are on the CPU."""
+        with writeback, changes to them are copied back into the shards on exit.
+        rank0_only: the other ranks keep their shards (writeback is then refused, as torch
+        refuses it).  with_grads: the full gradients too.  offload_to_cpu changes nothing:
+        the parameters are on the CPU."""
         if rank0_only and writeback:
             raise ValueError("summon_full_params(rank0_only=True, writeback=True) is not "
                              "supported: the other ranks would have nothing to write back; "

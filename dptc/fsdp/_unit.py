@@ -105,6 +105,7 @@ class _Bucket:
             p.offset = offset
             offset += p.piece
         self.numel = offset                  # of one rank's shard
+        self.gathered = [p for p in params if p.piece > 0]   # params with rows to move
         self.flat = None                     # shard buffer, orig dtype
         self.c = _C.Unit(group._c, len(params), gather_stream=0,
                          reduce_stream=1 if group.num_streams > 1 else 0)
@@ -113,9 +114,6 @@ class _Bucket:
         self.redop = None                    # of the reduction in flight
         self.partial = None                  # HSDP: reduce-scattered, not yet all-reduced
         self.partial_had = None
-
-    def gathered(self):
-        return [p for p in self.params if p.piece > 0]
 
 
 class ReduceRing:
@@ -206,12 +204,10 @@ class Unit:
     def reset_sharded(self):
         """Adopts parameters that replaced ours on the modules (``to_empty``,
         ``load_state_dict(assign=True)``): their values move into the shard buffer and their
-        local tensors become views of it again.  Returns True when anything changed."""
-        changed = False
+        local tensors become views of it again."""
         for bucket in self.buckets:
             if bucket.flat.is_meta:
                 bucket.flat = torch.zeros(bucket.numel, dtype=bucket.orig_dtype)
-                changed = True
             for p in bucket.params:
                 module, name = p.locations[0]
                 current = module._parameters[name]
@@ -225,16 +221,13 @@ class Unit:
                                         f"must stay DTensors (load values with copy_ or "
                                         f"set_model_state_dict)")
                     p.sharded = current
-                    changed = True
                 local = p.sharded._local_tensor
                 if local.is_meta or view.numel() and local.data_ptr() != view.data_ptr():
                     if not local.is_meta and p.local_rows:
                         with torch.no_grad():
                             view.copy_(local)
                     p.sharded._local_tensor = p.local_alias(bucket.flat)
-                    changed = True
                 p.register(p.sharded)
-        return changed
 
     # -- parameters ---------------------------------------------------------------------------
 
@@ -247,7 +240,7 @@ class Unit:
         for bucket in self.buckets:
             if bucket.c.state != "sharded":
                 continue
-            gathered = bucket.gathered()
+            gathered = bucket.gathered
             for p in gathered:
                 storage = p.padded.untyped_storage()
                 if storage.size() == 0:
@@ -264,7 +257,7 @@ class Unit:
         """Waits for the gathers and puts the unsharded parameters on the modules."""
         for bucket in self.buckets:
             if bucket.c.state == "sharded":
-                if bucket.gathered():
+                if bucket.gathered:
                     raise RuntimeError("wait_unshard before unshard")
             else:
                 bucket.c.wait_unshard()
@@ -357,6 +350,8 @@ class Unit:
         size = self.group.size
         buffers, offsets = {}, {}
         for bucket in self.buckets:
+            if bucket.c.reducing:
+                raise RuntimeError("a unit's gradients were reduced twice in one backward")
             grads = []
             had = []
             for p in bucket.params:
@@ -364,14 +359,11 @@ class Unit:
                 had.append(grad is not None)
                 if grad is None:
                     grad = torch.zeros(p.shape, dtype=bucket.reduce_dtype)
-                grads.append(grad.reshape(p.dim0, p.row_numel) if p.dim0 else
-                             grad.reshape(0, max(1, p.row_numel)))
+                if p.piece > 0:
+                    grads.append(grad.reshape(p.dim0, p.row_numel))
                 p.unsharded.grad = None
-            if not any(had) or bucket.c.reducing:
-                if bucket.c.reducing:
-                    raise RuntimeError("a unit's gradients were reduced twice in one backward")
+            if not any(had):
                 continue
-            pieces = [(g, p) for g, p in zip(grads, bucket.params) if p.piece > 0]
             dtype = bucket.reduce_dtype
             if shared_input is not None and dtype not in buffers:
                 buffers[dtype], offsets[dtype] = shared_input(dtype), 0
@@ -381,8 +373,8 @@ class Unit:
                 offsets[dtype] += size * bucket.numel * dtype.itemsize
             else:
                 source = torch.empty((size, bucket.numel), dtype=dtype)
-            if pieces:
-                torch._chunk_cat([g for g, _ in pieces], dim=0, num_chunks=size, out=source)
+            if grads:
+                torch._chunk_cat(grads, dim=0, num_chunks=size, out=source)
             output = torch.empty(bucket.numel, dtype=bucket.reduce_dtype)
             code = dtype_code(bucket.reduce_dtype)
             custom = self.divide_factor is not None
