@@ -8,13 +8,11 @@ of the test and as the reference for the bf16 MixedPrecision.  One more dptc lau
 summon_full_params and the state dicts.
 """
 
-import re
-from pathlib import Path
-
 import pytest
 import torch
 
-from tests._launch import run_ranks, run_torchrun_nodes
+from tests._launch import run_ranks
+from tests.test_fsdp import two_node_rels
 
 LAUNCH_TIMEOUT_S = 240
 FLOAT64_TOLERANCE = 1e-10
@@ -113,16 +111,8 @@ def test_summon_full_params_and_state_dicts():
 def test_hybrid_shard_two_torchrun_nodes():
     """HYBRID_SHARD under two torchrun --nnodes=2 invocations of 2 ranks: FullyShardedDataParallel
     finds the node layout (shard within a node, replicate across) and trains to the reference."""
-    script = Path("tests") / "scripts" / "two_node_fsdp.py"
-    outputs = run_torchrun_nodes([str(script), "--fsdp1"], nnodes=2, nproc_per_node=2,
-                                 timeout=180, env={"DPTC_TIMEOUT": "30"})
-    text = "\n".join(out for _, out, _ in outputs)
-    report = "\n".join(f"--- node {node}: return code {code}\nstdout:\n{out[-3000:]}\n"
-                       f"stderr:\n{err[-3000:]}" for node, (code, out, err) in enumerate(outputs))
-    assert all(code == 0 for code, _, _ in outputs), report
-    found = re.findall(r"TWO_NODE_FSDP_OK rank=(\d+) ref_rel=(\S+)", text)
-    assert sorted(int(rank) for rank, _ in found) == [0, 1, 2, 3], report
-    assert all(float(rel) <= FLOAT64_TOLERANCE for _, rel in found), found
+    rels = two_node_rels("--fsdp1")
+    assert all(rel <= FLOAT64_TOLERANCE for rel in rels), rels
 
 
 def test_construction_options_and_checkpointing():

@@ -33,7 +33,7 @@ import torch
 
 from examples.gpt import build_gpt
 from tests._launch import run_ranks
-from tests.workers_fsdp_checkpoint import STEPS_AFTER, STEPS_BEFORE
+from tests.workers_fsdp_checkpoint import STEPS_AFTER, STEPS_BEFORE, max_rel_by_key
 
 LAUNCH_TIMEOUT_S = 240
 FLOAT64_TOLERANCE = 1e-10
@@ -99,15 +99,6 @@ def launches():
         yield _Launches(root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-
-
-def _max_rel(values, refs):
-    worst = 0.0
-    for key, ref in refs.items():
-        scale = ref.abs().max().item()
-        diff = (values[key].double() - ref.double()).abs().max().item()
-        worst = max(worst, diff / scale if scale else diff)
-    return worst
 
 
 def _check_resumed(result, tolerance, rank):
@@ -265,9 +256,9 @@ def test_dcp_resume_other_world_size(launches, world_size):
         _check_resumed(result["dptc_sync"], FLOAT64_TOLERANCE, rank)
     resumed = launches.load(f"dptc_ws{world_size}_from_dptc_sync.pt")
     uninterrupted = launches.load(f"dptc_ws{world_size}_final.pt")
-    assert _max_rel(resumed, uninterrupted) <= FLOAT64_TOLERANCE
-    assert _max_rel(resumed, final_ws2) <= FLOAT64_TOLERANCE
-    assert _max_rel(uninterrupted, final_ws2) <= FLOAT64_TOLERANCE
+    assert max_rel_by_key(resumed, uninterrupted) <= FLOAT64_TOLERANCE
+    assert max_rel_by_key(resumed, final_ws2) <= FLOAT64_TOLERANCE
+    assert max_rel_by_key(uninterrupted, final_ws2) <= FLOAT64_TOLERANCE
 
 
 @pytest.mark.parametrize("impl", ["dptc", "torch"])
@@ -351,8 +342,8 @@ def test_torch_checkpoint_loads_into_dptc(launches, world_size):
     for rank, result in enumerate(launches.phase("dptc", world_size, "resume_torch")):
         _check_resumed(result["torch_sync"], FLOAT64_TOLERANCE, rank)
     resumed = launches.load(f"dptc_ws{world_size}_from_torch_sync.pt")
-    assert _max_rel(resumed, launches.load("torch_ws2_final.pt")) <= FLOAT64_TOLERANCE
-    assert _max_rel(resumed, launches.load(f"dptc_ws{world_size}_final.pt")) \
+    assert max_rel_by_key(resumed, launches.load("torch_ws2_final.pt")) <= FLOAT64_TOLERANCE
+    assert max_rel_by_key(resumed, launches.load(f"dptc_ws{world_size}_final.pt")) \
         <= FLOAT64_TOLERANCE
 
 
@@ -363,5 +354,5 @@ def test_dptc_checkpoint_loads_into_torch(launches):
     for rank, result in enumerate(launches.phase("torch", 2, "resume_dptc")):
         _check_resumed(result["dptc_sync"], FLOAT64_TOLERANCE, rank)
     resumed = launches.load("torch_ws2_from_dptc_sync.pt")
-    assert _max_rel(resumed, launches.load("dptc_ws2_final.pt")) <= FLOAT64_TOLERANCE
-    assert _max_rel(resumed, launches.load("torch_ws2_final.pt")) <= FLOAT64_TOLERANCE
+    assert max_rel_by_key(resumed, launches.load("dptc_ws2_final.pt")) <= FLOAT64_TOLERANCE
+    assert max_rel_by_key(resumed, launches.load("torch_ws2_final.pt")) <= FLOAT64_TOLERANCE

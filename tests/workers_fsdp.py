@@ -27,7 +27,7 @@ import torch.nn as nn
 from examples.gpt import build_gpt
 from tests._rank import load_impl
 
-__all__ = ["train_cases", "memory_case"]
+__all__ = ["train_cases", "memory_case", "methods_case", "staging_case", "max_rel"]
 
 SEED = 4321
 LR = 1e-3
@@ -192,7 +192,8 @@ def _apply(fsdp, model, scenario, impl):
             after.set_modules_to_backward_prefetch([before])
 
 
-def _max_rel(values, refs):
+def max_rel(values, refs):
+    """max over pairs of max|value - ref| / max|ref| (the plain difference where ref is 0)."""
     worst = 0.0
     for value, ref in zip(values, refs):
         scale = ref.abs().max().item()
@@ -262,7 +263,7 @@ def _run(impl, name, scenario):
             torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
             pairs = [(p, r) for p, r in zip(model.parameters(), ref.parameters())
                      if r.grad is not None]
-            grad_rel = max(grad_rel, _max_rel([_full(p.grad) for p, _ in pairs],
+            grad_rel = max(grad_rel, max_rel([_full(p.grad) for p, _ in pairs],
                                               [r.grad for _, r in pairs]))
         opt.step()
         opt.zero_grad()
@@ -285,7 +286,7 @@ def _run(impl, name, scenario):
         "is_original": isinstance(model, type(_build(scenario.model))),
     }
     if ref is not None:
-        result["ref_rel"] = _max_rel(list(params.values()),
+        result["ref_rel"] = max_rel(list(params.values()),
                                      [r.detach() for r in ref.parameters()])
     return result
 
@@ -401,7 +402,7 @@ def methods_case(impl):
         tuple(model.tok_emb.weight.shape) == (64, 32)
     x, y = _batch("gpt", 0, 0, world, generator)
     logits = model.logits_of(x[mine])
-    out["method_rel"] = _max_rel([logits.detach()], [ref(x[mine]).detach()])
+    out["method_rel"] = max_rel([logits.detach()], [ref(x[mine]).detach()])
 
     for block in model.blocks:
         block.set_reshard_after_backward(False)
@@ -415,7 +416,7 @@ def methods_case(impl):
         block.reshard()
         block.set_reshard_after_backward(True)
     # The reduced gradients are on the sharded parameters, back on the modules after reshard.
-    out["grad_rel"] = _max_rel([_full(p.grad) for p in model.parameters()],
+    out["grad_rel"] = max_rel([_full(p.grad) for p in model.parameters()],
                                [p.grad for p in ref.parameters()])
     out["blocks_sharded_after_reshard"] = all(hasattr(p, "placements")
                                               for p in model.parameters())
@@ -427,7 +428,7 @@ def methods_case(impl):
     x, y = _batch("gpt", 1, 0, world, generator)
     _loss(model, "gpt", x[mine], y[mine]).backward()
     _loss(ref, "gpt", x, y).backward()
-    out["sum_rel"] = _max_rel([_full(p.grad) for p in model.parameters()],
+    out["sum_rel"] = max_rel([_full(p.grad) for p in model.parameters()],
                               [p.grad * world for p in ref.parameters()])
     _finish(impl)
     return out

@@ -13,6 +13,7 @@ import torch
 
 from examples.gpt import GPT, Block
 from tests._rank import load_impl
+from tests.workers_fsdp import max_rel
 from tests.workers_fsdp_wrap import build
 
 __all__ = ["strategy_cases", "state_cases"]
@@ -55,14 +56,6 @@ def _policy(impl):
 
 def _full(tensor):
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-
-
-def _rel(values, refs):
-    worst = 0.0
-    for value, ref in zip(values, refs):
-        scale = ref.abs().max().item()
-        worst = max(worst, (value.double() - ref.double()).abs().max().item() / scale)
-    return worst
 
 
 def _train(impl, wrapped, ref, rank, world, steps=STEPS, opt=None, generator=None):
@@ -125,7 +118,7 @@ def strategy_cases(impl, strategies, mp_strategies=()):
                       "keys": list(wrapped.state_dict().keys())}
             if ref is not None:
                 result["ref_names"] = [n for n, _ in ref.named_parameters()]
-                result["ref_rel"] = _rel(params, [p.detach() for p in ref.parameters()])
+                result["ref_rel"] = max_rel(params, [p.detach() for p in ref.parameters()])
                 result["norm_diff"] = max(abs(n) for n in norms)
             else:
                 result["params"] = [p.double().flatten().tolist() for p in params]
@@ -156,12 +149,12 @@ def state_cases():
     opt, _ = _train("dptc", wrapped, ref, rank, world, generator=generator)
 
     with FSDP.summon_full_params(wrapped):
-        out["summon_rel"] = _rel([p.detach() for p in wrapped.parameters()],
+        out["summon_rel"] = max_rel([p.detach() for p in wrapped.parameters()],
                                  [p.detach() for p in ref.parameters()])
         with torch.no_grad():
             for p in wrapped.parameters():
                 p.add_(1.0)
-    out["writeback_rel"] = _rel([_full(p).detach() for p in wrapped.parameters()],
+    out["writeback_rel"] = max_rel([_full(p).detach() for p in wrapped.parameters()],
                                 [p.detach() + 1.0 for p in ref.parameters()])
     with FSDP.summon_full_params(wrapped):
         with torch.no_grad():
@@ -176,7 +169,7 @@ def state_cases():
         optim_full = _clone(FSDP.optim_state_dict(wrapped, opt))
     out["full_keys"] = len(full)
     out["full_keys_equal"] = list(full) == list(ref.state_dict()) if rank == 0 else None
-    out["full_rel"] = _rel([full[k] for k in ref.state_dict()], ref.state_dict().values()) \
+    out["full_rel"] = max_rel([full[k] for k in ref.state_dict()], ref.state_dict().values()) \
         if rank == 0 else None
     out["full_plain"] = all(type(v) is torch.Tensor for v in full.values())
     with FSDP.state_dict_type(wrapped, StateDictType.SHARDED_STATE_DICT):
@@ -218,8 +211,8 @@ def state_cases():
             continued[kind] = [p.detach().clone() for p in model.parameters()]
     torch.set_rng_state(state)
     del uninterrupted
-    out["resumed_full_rel"] = _rel(continued["full"], continued["uninterrupted"])
-    out["resumed_sharded_rel"] = _rel(continued["sharded"], continued["uninterrupted"])
+    out["resumed_full_rel"] = max_rel(continued["full"], continued["uninterrupted"])
+    out["resumed_sharded_rel"] = max_rel(continued["sharded"], continued["uninterrupted"])
     dptc.destroy_process_group()
     return out
 
@@ -245,7 +238,7 @@ def extras_case():
     wrapped = FSDP(model, auto_wrap_policy=policy, sync_module_states=True)
     _train("dptc", wrapped, ref, rank, world)
     with FSDP.summon_full_params(wrapped, writeback=False):
-        out["sync_rel"] = _rel([p.detach() for p in wrapped.parameters()],
+        out["sync_rel"] = max_rel([p.detach() for p in wrapped.parameters()],
                                [p.detach() for p in ref.parameters()])
 
     with torch.device("meta"):
@@ -272,7 +265,7 @@ def extras_case():
     out["ignored_plain"] = not isinstance(model.pos_emb.weight, torch.distributed.tensor.DTensor)
     _train("dptc", wrapped, ref, rank, world)
     with FSDP.summon_full_params(wrapped, writeback=False):
-        out["ignored_rel"] = _rel([p.detach() for p in wrapped.parameters()],
+        out["ignored_rel"] = max_rel([p.detach() for p in wrapped.parameters()],
                                   [p.detach() for p in ref.parameters()])
 
     ref = build(n_layer=2)
@@ -284,7 +277,7 @@ def extras_case():
     out["checkpointed"] = sum(type(m).__name__ == "CheckpointWrapper" for m in wrapped.modules())
     _train("dptc", wrapped, ref, rank, world)
     with FSDP.summon_full_params(wrapped, writeback=False):
-        out["checkpoint_rel"] = _rel([p.detach() for p in wrapped.parameters()],
+        out["checkpoint_rel"] = max_rel([p.detach() for p in wrapped.parameters()],
                                      [p.detach() for p in ref.parameters()])
     out["checkpoint_keys"] = list(wrapped.state_dict()) == list(ref.state_dict())
     dptc.destroy_process_group()

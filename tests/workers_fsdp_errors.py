@@ -16,11 +16,12 @@ A case's outcome is {"type": exception class name or None, "message": str}.
 
 import os
 import signal
-
 import sys
 
 import torch
 import torch.nn as nn
+
+from tests.workers_fsdp import max_rel
 
 __all__ = ["validation_cases", "four_rank_cases", "fault_case"]
 
@@ -237,15 +238,6 @@ def _zero_dim_ignored(impl, rank):
             "weight_grad": type(module.fc.weight.grad).__name__}
 
 
-def _max_rel(values, refs):
-    worst = 0.0
-    for value, ref in zip(values, refs):
-        scale = ref.abs().max().item()
-        diff = (value - ref).abs().max().item()
-        worst = max(worst, diff / scale if scale else diff)
-    return worst
-
-
 def _noncontiguous_training(rank, world, steps=3):
     """Net with transposed (stride (1, out)) weights, dims 8 -> 6 -> 7 -> 5 (7 and 5 split
     unevenly over 2 ranks) and a permuted 3-dim parameter (dim 0 of 3 rows) in the root, blocks
@@ -268,7 +260,7 @@ def _noncontiguous_training(rank, world, steps=3):
         ref(x).square().mean().backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
         torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
-        grad_rel = max(grad_rel, _max_rel([p.grad.full_tensor() for p in model.parameters()],
+        grad_rel = max(grad_rel, max_rel([p.grad.full_tensor() for p in model.parameters()],
                                           [r.grad for r in ref.parameters()]))
         opt.step()
         ref_opt.step()
@@ -278,9 +270,9 @@ def _noncontiguous_training(rank, world, steps=3):
     return {
         "noncontiguous": noncontiguous,
         "shapes_match": all(f.shape == r.shape for f, r in zip(full, ref.parameters())),
-        "param_rel": _max_rel([f.detach() for f in full], [r.detach() for r in ref.parameters()]),
+        "param_rel": max_rel([f.detach() for f in full], [r.detach() for r in ref.parameters()]),
         "grad_rel": grad_rel,
-        "moved": _max_rel([f.detach() for f in full],
+        "moved": max_rel([f.detach() for f in full],
                           [r.detach() for r in _net(widths=widths, transposed=True)
                            .parameters()]),
     }
@@ -316,7 +308,7 @@ def _recovery(rank, world, fault, fail_block, steps=3, fail_step=1):
         opt.zero_grad()
         ref_opt.zero_grad()
     return {"errors": errors,
-            "param_rel": _max_rel([p.full_tensor().detach() for p in model.parameters()],
+            "param_rel": max_rel([p.full_tensor().detach() for p in model.parameters()],
                                   [r.detach() for r in ref.parameters()])}
 
 

@@ -11,10 +11,10 @@ import os
 import tempfile
 
 import torch
-import torch.nn as nn
 
 from examples.gpt import GPT, Block, build_gpt
 from tests._rank import load_impl
+from tests.workers_fsdp import max_rel
 
 __all__ = ["policy_case", "checkpointing_case", "peak_allocated"]
 
@@ -34,12 +34,9 @@ def _full(tensor):
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
-def _max_rel(model, ref):
-    worst = 0.0
-    for p, r in zip(model.parameters(), ref.parameters()):
-        p = _full(p).detach()
-        worst = max(worst, ((p - r).abs().max() / r.abs().max()).item())
-    return worst
+def _params_rel(model, ref):
+    return max_rel([_full(p).detach() for p in model.parameters()],
+                   [r.detach() for r in ref.parameters()])
 
 
 def train(model, ref, rank, world, steps=STEPS, rows=ROWS, tokens=9, step_hook=None):
@@ -68,7 +65,7 @@ def train(model, ref, rank, world, steps=STEPS, rows=ROWS, tokens=9, step_hook=N
             torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
             ref_opt.step()
             ref_opt.zero_grad()
-    return _max_rel(model, ref) if ref is not None else None
+    return _params_rel(model, ref) if ref is not None else None
 
 
 def _unit_names(model):
@@ -161,18 +158,19 @@ def checkpointing_case():
     load_impl("dptc")
     rank, world = dptc.get_rank(), dptc.get_world_size()
     out = {}
+    def wrap(kind, ac, model):
+        if ac:
+            _checkpointed(model)
+        if kind == "ddp":
+            return dptc.DistributedDataParallel(model)
+        for block in model.blocks:
+            dptc.fully_shard(block)
+        return dptc.fully_shard(model)
+
     for kind in ("fsdp", "ddp"):
         for ac in (False, True):
-            model, ref = build(), build()
-            if ac:
-                _checkpointed(model)
-            if kind == "fsdp":
-                for block in model.blocks:
-                    dptc.fully_shard(block)
-                dptc.fully_shard(model)
-                wrapped = model
-            else:
-                wrapped = dptc.DistributedDataParallel(model)
+            ref = build()
+            wrapped = wrap(kind, ac, build())
             result = {"ref_rel": train(wrapped, ref, rank, world)}
             keys = list(wrapped.state_dict().keys())
             result["wrapped_keys"] = sum("_checkpoint_wrapped_module" in k for k in keys)
@@ -182,16 +180,7 @@ def checkpointing_case():
 
             def hook(step):
                 peaks.append(peak_allocated(step))
-            big = build(d_model=64, n_layer=8, ctx=32)
-            if ac:
-                _checkpointed(big)
-            if kind == "fsdp":
-                for block in big.blocks:
-                    dptc.fully_shard(block)
-                dptc.fully_shard(big)
-                big_wrapped = big
-            else:
-                big_wrapped = dptc.DistributedDataParallel(big)
+            big_wrapped = wrap(kind, ac, build(d_model=64, n_layer=8, ctx=32))
             train(big_wrapped, None, rank, world, steps=2, rows=8, tokens=33, step_hook=hook)
             result["peak"] = peaks[-1]
             out[f"{kind}_{'ac' if ac else 'plain'}"] = result
