@@ -127,3 +127,72 @@ def test_construction_options_and_checkpointing():
         assert result["checkpointed"] == 2, result
         assert result["checkpoint_rel"] <= FLOAT64_TOLERANCE, result
         assert result["checkpoint_keys"], result
+
+
+def test_process_group_subsets_and_pairs():
+    """process_group as torch's FSDP1 takes it, 4 ranks: FULL_SHARD and NO_SHARD over the pair
+    groups {0,1} and {2,3} (two models, each trained on its pair's data), and HYBRID_SHARD
+    with process_group=(shard, replicate) = ({0,2}|{1,3}, {0,1}|{2,3}), over all four ranks'
+    data: each equals its single-process reference, on the mesh the groups describe.  A
+process_group that does not fit the strategy is a ValueError, as torch's."""
+    results = run_ranks("tests.workers_fsdp1:groups_case", 4, timeout=LAUNCH_TIMEOUT_S)
+    for rank, result in enumerate(results):
+        pair = [rank - rank % 2, rank - rank % 2 + 1]
+        for strategy in ("FULL_SHARD", "NO_SHARD", "HYBRID_SHARD"):
+            case = result[strategy]
+            assert case["rel"] <= FLOAT64_TOLERANCE, (rank, strategy, case)
+            assert case["rows"] == 64, case
+        assert result["FULL_SHARD"]["mesh"] == pair
+        assert result["FULL_SHARD"]["local_rows"] == 32
+        assert result["NO_SHARD"]["mesh"] == [[r] for r in pair]
+        assert result["NO_SHARD"]["local_rows"] == 64
+        assert result["HYBRID_SHARD"]["mesh"] == [[0, 2], [1, 3]]
+        assert result["HYBRID_SHARD"]["local_rows"] == 32
+        # Bad input, as torch refuses it (its types), naming what to pass instead.
+        errors = result["errors"]
+        assert errors["hybrid_one_group"][0] == "ValueError"
+        assert "pair (shard group, replicate group)" in errors["hybrid_one_group"][1]
+        assert errors["full_pair"][0] == "ValueError" and "takes one group" in \
+            errors["full_pair"][1]
+        assert errors["group_and_mesh"] == [
+            "ValueError", "pass process_group or device_mesh to FullyShardedDataParallel, "
+            "not both"]
+        assert errors["prefetch"][0] == "TypeError" and "'BACKWARD_PRE'" in \
+            errors["prefetch"][1]
+
+
+def _expected_prefetch_log(forward_prefetch, backward):
+    """One step of 2 micro-batches of a root and blocks 0 and 1 (the first under no_sync):
+    where each gather starts, as torch's FSDP1 places it for these options."""
+    forward = (["gather root", "gather blocks.0", "gather blocks.1", "forward blocks.0",
+                "forward blocks.1"] if forward_prefetch else
+               ["gather root", "gather blocks.0", "forward blocks.0", "gather blocks.1",
+                "forward blocks.1"])
+    log = []
+    for sync in (False, True):
+        reduce1 = ["reduce blocks.1"] if sync else []
+        log += forward + ["gather blocks.1"]
+        if backward == "pre":
+            log += ["gather blocks.0", "backward blocks.1"] + reduce1
+        elif backward == "post":
+            log += ["backward blocks.1", "gather blocks.0"] + reduce1
+        else:
+            log += ["backward blocks.1"] + reduce1 + ["gather blocks.0"]
+        log += ["backward blocks.0"] + (["reduce blocks.0", "reduce root"] if sync else [])
+    return log
+
+
+def test_prefetch_options_place_the_gathers():
+    """forward_prefetch and backward_prefetch decide where each unit's gather starts, logged
+    against the blocks' forward and backward: forward_prefetch=True gathers block 1 before
+    block 0 computes (default False: in block 1's own pre-forward); BACKWARD_PRE (default)
+    gathers block 0 before block 1's backward computes, BACKWARD_POST after it and before
+    block 1's reduce-scatter, None in block 0's own pre-backward.  The numbers are the
+    reference's in every case."""
+    cases = {"default": (False, "pre"), "forward": (True, "pre"), "post": (False, "post"),
+             "none": (False, None)}
+    for result in run_ranks("tests.workers_fsdp1:prefetch_case", 2, timeout=LAUNCH_TIMEOUT_S):
+        for label, (forward_prefetch, backward) in cases.items():
+            assert result[label]["rel"] <= FLOAT64_TOLERANCE, (label, result[label])
+            assert result[label]["log"] == _expected_prefetch_log(forward_prefetch, backward), \
+                (label, result[label]["log"])

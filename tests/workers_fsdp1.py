@@ -299,3 +299,111 @@ def _broadcast(obj):
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def groups_case():
+    """dptc, 4 ranks: process_group as torch's FSDP1 takes it.  FULL_SHARD and NO_SHARD over a
+    pair group ({0,1} and {2,3} train two independent models on their own data), and
+    HYBRID_SHARD over the pair (shard {0,2}/{1,3}, replicate {0,1}/{2,3}): each against
+    single-process training on the data of the ranks it spans, with the mesh and the local
+    shard sizes that layout implies."""
+    import torch.distributed as dist
+    api, FSDP = _api("dptc")
+    rank = dist.get_rank()
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    strided = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    pair, stride = pairs[rank // 2], strided[rank % 2]
+    policy = functools.partial(api.transformer_auto_wrap_policy, transformer_layer_cls={Block})
+    out = {}
+    cases = {"FULL_SHARD": pair, "NO_SHARD": pair, "HYBRID_SHARD": (stride, pair)}
+    for strategy, group in cases.items():
+        hybrid = isinstance(group, tuple)
+        # Pairs see their own data (a seed per pair); the hybrid run spans all 4 ranks.
+        seed = SEED if hybrid else SEED + 10 * (rank // 2)
+        torch.manual_seed(seed)
+        ref, model = build(n_layer=2), build(n_layer=2)
+        with torch.no_grad():        # each pair's model starts from its own weights
+            for a, b in zip(ref.parameters(), model.parameters()):
+                b.copy_(a)
+        wrapped = FSDP(model, process_group=group, auto_wrap_policy=policy,
+                       sharding_strategy=getattr(api.ShardingStrategy, strategy))
+        param = next(wrapped.parameters())
+        _train("dptc", wrapped, ref, rank if hybrid else rank % 2, 4 if hybrid else 2,
+               generator=torch.Generator().manual_seed(seed))
+        with FSDP.summon_full_params(wrapped, writeback=False):
+            rel = max_rel([p.detach() for p in wrapped.parameters()],
+                          [p.detach() for p in ref.parameters()])
+        out[strategy] = {"rel": rel, "mesh": param.device_mesh.mesh.tolist(),
+                         "local_rows": param.to_local().shape[0], "rows": param.shape[0]}
+    errors = {}
+    bad = {"hybrid_one_group": dict(process_group=pair, sharding_strategy=api.ShardingStrategy
+                                    .HYBRID_SHARD),
+           "full_pair": dict(process_group=(stride, pair)),
+           "group_and_mesh": dict(process_group=pair, device_mesh=param.device_mesh),
+           "prefetch": dict(backward_prefetch="BACKWARD_PRE")}
+    for label, kwargs in bad.items():
+        try:
+            FSDP(build(n_layer=1), **kwargs)
+            errors[label] = None
+        except Exception as error:  # noqa: BLE001 - reported to the test
+            errors[label] = (type(error).__name__, str(error))
+    out["errors"] = errors
+    import dptc
+    dptc.destroy_process_group()
+    return out
+
+
+def prefetch_case():
+    """dptc, 2 ranks, FULL_SHARD over a 2-block GPT: the gathers and reductions each
+    prefetch option issues, logged in order, with marks where each block's backward computes
+    and forwards (their MLPs' hooks); and the parameters trained against the reference."""
+    import dptc
+    api, FSDP = _api("dptc")
+    rank, world = dptc.get_rank(), dptc.get_world_size()
+    policy = functools.partial(api.transformer_auto_wrap_policy, transformer_layer_cls={Block})
+    out = {}
+    options = {"default": {}, "forward": {"forward_prefetch": True},
+               "post": {"backward_prefetch": api.BackwardPrefetch.BACKWARD_POST},
+               "none": {"backward_prefetch": None}}
+    for label, kwargs in options.items():
+        ref = build(n_layer=2)
+        wrapped = FSDP(build(n_layer=2), auto_wrap_policy=policy, **kwargs)
+        log = []
+        names = {id(m.__dict__["_fsdp_state"].unit):
+                 name.replace("_fsdp_wrapped_module.", "") or "root"
+                 for name, m in wrapped.named_modules() if isinstance(m, FSDP)}
+        for fsdp in FSDP.fsdp_modules(wrapped):
+            unit = fsdp.__dict__["_fsdp_state"].unit
+            _log_calls(unit, names[id(unit)], log)
+        for index in (0, 1):
+            mlp = wrapped.module.blocks[index].module.mlp
+            mlp.register_forward_pre_hook(lambda *_, i=index: log.append(f"forward blocks.{i}"))
+            mlp.register_full_backward_pre_hook(
+                lambda *_, i=index: log.append(f"backward blocks.{i}"))
+        opt = torch.optim.AdamW(wrapped.parameters(), lr=LR)
+        step = opt.step
+        opt.step = lambda: (log.append("step"), step())
+        _train("dptc", wrapped, ref, rank, world, steps=2, opt=opt)
+        with FSDP.summon_full_params(wrapped, writeback=False):
+            rel = max_rel([p.detach() for p in wrapped.parameters()],
+                          [p.detach() for p in ref.parameters()])
+        # The second step's: the first learns the order units run in.
+        log = log[log.index("step") + 1:-1]
+        out[label] = {"rel": rel, "log": log}
+    dptc.destroy_process_group()
+    return out
+
+
+def _log_calls(unit, name, log):
+    """Logs unit.unshard calls that start a gather (the unit was sharded) and unit.reduce."""
+    unshard, reduce = unit.unshard, unit.reduce
+
+    def logged_unshard(*args, **kwargs):
+        if unit.state == "sharded":
+            log.append(f"gather {name}")
+        return unshard(*args, **kwargs)
+
+    def logged_reduce(*args, **kwargs):
+        log.append(f"reduce {name}")
+        return reduce(*args, **kwargs)
+    unit.unshard, unit.reduce = logged_unshard, logged_reduce

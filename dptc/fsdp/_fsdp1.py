@@ -41,32 +41,82 @@ def _clean(name):
 
 
 def _mesh_for(strategy, process_group, device_mesh):
-    """The DeviceMesh fully_shard gets: 1-D for FULL_SHARD and SHARD_GRAD_OP; (replicate,
-    shard) for the hybrid strategies (replicate across nodes, shard within one) and for
-    NO_SHARD (replicate over every rank, shards of one rank)."""
+    """The DeviceMesh fully_shard gets, from FSDP1's arguments as torch reads them: 1-D over
+    the shard group for FULL_SHARD and SHARD_GRAD_OP; (replicate, shard) for the hybrid
+    strategies (by default replicate across nodes and shard within one; or the pair
+    ``process_group=(shard, replicate)``) and for NO_SHARD (replicate over the group, shards
+    of one rank)."""
+    default_group()                    # torch.distributed too, from torchrun's environment
+    if process_group is not None and device_mesh is not None:
+        raise ValueError("pass process_group or device_mesh to FullyShardedDataParallel, "
+                         "not both")
     if device_mesh is not None:
         if not isinstance(device_mesh, DeviceMesh):
             raise TypeError(f"device_mesh must be a DeviceMesh, got {type(device_mesh).__name__}")
         if strategy in _HYBRID and device_mesh.ndim != 2:
             raise ValueError(f"{strategy} needs a 2-D device_mesh (replicate, shard), got "
                              f"{device_mesh.ndim} dims")
+        if strategy == ShardingStrategy.NO_SHARD and device_mesh.ndim == 1:
+            return _replicated(device_mesh.get_group(0))
         return device_mesh
-    group = default_group()
-    world = dist.get_world_size()
-    if process_group is not None:
-        groups = process_group if isinstance(process_group, tuple) else (process_group,)
-        shard, *replicate = [dist.get_world_size(g) for g in groups]
-        if shard != world or any(size != 1 for size in replicate):
-            raise NotImplementedError(
-                "FullyShardedDataParallel(process_group=...) over a subset of the ranks is not "
-                "implemented by dptc; pass device_mesh=, or leave process_group None")
-    if strategy == ShardingStrategy.NO_SHARD:
-        return init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
     if strategy in _HYBRID:
-        local = group.local_size
-        return init_device_mesh("cpu", (world // local, local),
-                                mesh_dim_names=("replicate", "shard"))
-    return init_device_mesh("cpu", (world,))
+        if process_group is None:
+            local = default_group().local_size
+            world = dist.get_world_size()
+            return init_device_mesh("cpu", (world // local, local),
+                                    mesh_dim_names=("replicate", "shard"))
+        if not (isinstance(process_group, tuple) and len(process_group) == 2):
+            raise ValueError(f"{strategy} takes process_group=None or a pair (shard group, "
+                             f"replicate group), got {type(process_group).__name__}")
+        return _hybrid_mesh(*process_group)
+    if isinstance(process_group, tuple):
+        raise ValueError(f"process_group as a pair (shard, replicate) is for HYBRID_SHARD; "
+                         f"{strategy} takes one group")
+    group = process_group if process_group is not None else dist.group.WORLD
+    if strategy == ShardingStrategy.NO_SHARD:
+        return _replicated(group)
+    return DeviceMesh.from_group(group, "cpu")
+
+
+def _hybrid_mesh(shard, replicate):
+    """The (replicate, shard) mesh of the pair: row i is the shard group of the i-th member
+    of this rank's replicate group.  Every rank tells the others its shard group (the
+    constructor is collective, as torch's)."""
+    rows = [None] * dist.get_world_size()
+    dist.all_gather_object(rows, dist.get_process_group_ranks(shard))
+    layout = [rows[rank] for rank in dist.get_process_group_ranks(replicate)]
+    if len({len(row) for row in layout}) != 1:
+        raise ValueError(f"process_group=(shard, replicate): the shard groups of the replicate "
+                         f"group's members differ in size ({layout}); every shard group must "
+                         f"have as many ranks")
+    return DeviceMesh.from_group([replicate, shard], "cpu", mesh=layout,
+                                 mesh_dim_names=("replicate", "shard"))
+
+
+def _replicated(group):
+    """NO_SHARD over group: a (replicate, shard) mesh whose shard groups hold one rank each.
+    Every rank makes the single-rank groups, in rank order (new_group is collective)."""
+    singles = [dist.new_group([rank]) for rank in range(dist.get_world_size())]
+    ranks = dist.get_process_group_ranks(group)
+    return DeviceMesh.from_group([group, singles[dist.get_rank()]], "cpu",
+                                 mesh=[[rank] for rank in ranks],
+                                 mesh_dim_names=("replicate", "shard"))
+
+
+def _set_prefetch(state, backward_prefetch, forward_prefetch):
+    """FSDP1's prefetch options on a unit's State: forward_prefetch=False gathers each unit in
+    its own pre-forward; backward_prefetch BACKWARD_PRE (the default) starts gathering the next
+    unit of backward in this one's pre-backward, BACKWARD_POST in its post-backward, None
+    never.  limit_all_gathers needs nothing: a unit prefetches at most one other, so at most
+    two units' gathers are ever outstanding."""
+    if backward_prefetch is not None and not isinstance(backward_prefetch, BackwardPrefetch):
+        raise TypeError(f"backward_prefetch must be a BackwardPrefetch or None, got "
+                        f"{backward_prefetch!r}")
+    if not forward_prefetch:
+        state.forward_prefetch = []
+    if backward_prefetch is None:
+        state.backward_prefetch = []
+    state.prefetch_after_backward = backward_prefetch == BackwardPrefetch.BACKWARD_POST
 
 
 def _policy_of(mixed_precision, root):
@@ -152,7 +202,8 @@ class FullyShardedDataParallel(nn.Module):
                     ignored_params=ignored_params or None)
         # The unit's State, kept here: activation checkpointing applied later may put a
         # wrapper between this instance and the module it shards.
-        self.__dict__["_fsdp_state"] = module.__dict__["_dptc_fsdp_state"]
+        state = self.__dict__["_fsdp_state"] = module.__dict__["_dptc_fsdp_state"]
+        _set_prefetch(state, backward_prefetch, forward_prefetch)
         self._register_state_dict_hook(FullyShardedDataParallel._post_state_dict)
         self._register_load_state_dict_pre_hook(FullyShardedDataParallel._pre_load_state_dict,
                                                 with_module=True)

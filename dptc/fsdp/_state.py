@@ -12,8 +12,9 @@ Each fully_shard module has one State.  Its hooks are thin: they call the unit's
 - Post-forward: reshard unless ``reshard_after_forward`` is False (the root's default), and hook
   the outputs so the first gradient reaching them runs pre-backward.
 - Pre-backward: unshard this unit again and prefetch the unit that ran forward before it (or
-  the explicit backward-prefetch list); the first one also queues the root's end-of-backward
-  callback on the autograd engine.
+  the explicit backward-prefetch list; FSDP1's BACKWARD_POST moves this prefetch to
+  post-backward); the first one also queues the root's end-of-backward callback on the
+  autograd engine.
 - Post-backward: each unsharded parameter's post-accumulate-grad hook marks its gradient
   complete; the unit's last one reshards it and starts the reduce-scatter on the reduce
   stream, which runs while autograd computes earlier units.  At most two reductions are in
@@ -55,6 +56,8 @@ class State:
         self.unshard_in_backward = True
         self.forward_prefetch = None           # explicit lists of States, or None
         self.backward_prefetch = None
+        self.prefetch_after_backward = False   # FSDP1's BackwardPrefetch.BACKWARD_POST
+        self.backward_started = False          # this iteration's pre-backward has run
         self.root = None                       # the root State, once lazily initialised
         # Root only: the States of its subtree and this iteration's bookkeeping.
         self.states = []
@@ -179,15 +182,20 @@ class State:
             root.callback_queued = True
             root.in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(root._end_of_backward)
+        self.backward_started = True
         if self.unit is not None:
             if self.unit.state == "sharded" and not self.unshard_in_backward:
                 return
             self.unit.unshard()
             self.unit.wait_unshard()
-        for state in self._next_in_backward():
-            if state.unit is not None and state.unshard_in_backward:
-                state.unit.unshard()
+        if not self.prefetch_after_backward:
+            self._prefetch_backward()
 
+    def _prefetch_backward(self):
+        for state in self._next_in_backward():
+            if state.unit is not None and state.unshard_in_backward and \
+                    not state.backward_started:
+                state.unit.unshard()
     def _next_in_backward(self):
         if self.backward_prefetch is not None:
             return self.backward_prefetch
@@ -198,6 +206,8 @@ class State:
         return order[index - 1:index] if index > 0 else []
 
     def _post_backward(self, unit):
+        if self.prefetch_after_backward:
+            self._prefetch_backward()
         if self.requires_gradient_sync:
             # One reduction in flight besides this one: the older one's input (a unit's
             # gradients) is released now, not at the end of backward.
@@ -215,6 +225,7 @@ class State:
         self.reducing = []
         try:
             for state in self.states:
+                state.backward_started = False
                 unit = state.unit
                 if unit is None:
                     continue
@@ -236,6 +247,7 @@ class State:
         self.in_backward = False
         self.post_forward_order = []
         for state in self.states:
+            state.backward_started = False
             if state.unit is not None:
                 for bucket in state.unit.buckets:
                     try:
