@@ -1,4 +1,5 @@
-"""Build of dptc's C core: plain C11 against the Python C API (no torch or CUDA headers)."""
+"""Build of dptc's C core: plain C11 against the Python C API (no torch, CUDA or NCCL headers;
+NCCL and the CUDA runtime are loaded at run time)."""
 
 import glob
 import os
@@ -23,7 +24,9 @@ setup(
             depends=sorted(glob.glob("csrc/*.h")),
             extra_compile_args=extra_compile_args,
             extra_link_args=extra_link_args,
-            libraries=["rt"],
+            # shm_open and dlopen (NCCL and the CUDA runtime are loaded at run time, never
+            # linked: csrc/cudalib.c); both live in libc itself from glibc 2.34.
+            libraries=["rt", "dl"],
             define_macros=[("_GNU_SOURCE", None)],
         )
     ],

@@ -22,6 +22,9 @@ typedef enum {
     DPTC_ERR_ABORTED,     /* the group was aborted (locally or by a peer) */
     DPTC_ERR_PYTHON,      /* a Python call failed (bridge, hooks); message holds it */
     DPTC_ERR_INTERRUPTED, /* the waiting thread was interrupted (Ctrl-C); see dptc_interrupted */
+    DPTC_ERR_LIBRARY,     /* NCCL or the CUDA runtime cannot be loaded or lacks a function;
+                             the message names the file, the function and the remedy */
+    DPTC_ERR_CUDA,        /* a CUDA runtime or NCCL call failed; the message names it */
 } dptc_status;
 
 /* Element types.  The codes are part of the Python <-> C contract:

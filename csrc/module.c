@@ -44,6 +44,9 @@ PyObject *dptc_raise(dptc_module_state *st, dptc_status status, const dptc_error
     case DPTC_ERR_MISMATCH:
         type = st->mismatch_error;
         break;
+    case DPTC_ERR_LIBRARY:
+        type = st->cuda_library_error;
+        break;
     case DPTC_ERR_PYTHON:
         if (PyErr_Occurred())
             return NULL;
@@ -961,8 +964,23 @@ static int add_exceptions(PyObject *module, dptc_module_state *st)
     if (add_exception(module, &st->peer_lost_error, "dptc.PeerLostError", st->dist_error,
                       "A peer exited or aborted the group.") < 0)
         return -1;
-    return add_exception(module, &st->mismatch_error, "dptc.CollectiveMismatchError",
-                         st->dist_error, "Ranks issued different collectives.");
+    if (add_exception(module, &st->mismatch_error, "dptc.CollectiveMismatchError",
+                      st->dist_error, "Ranks issued different collectives.") < 0)
+        return -1;
+    return add_exception(module, &st->cuda_library_error, "dptc.CudaLibraryError",
+                         st->dist_error, "NCCL or the CUDA runtime cannot be loaded: the file "
+                         "is missing or lacks a function dptc calls.");
+}
+
+/* transports: the names of the transports compiled in (dptc.info reports them). */
+static int add_transports(PyObject *module)
+{
+    PyObject *names = Py_BuildValue("(ss)", dptc_shm_transport.name, "bridge");
+    if (!names)
+        return -1;
+    int rc = PyModule_AddObjectRef(module, "transports", names);
+    Py_DECREF(names);
+    return rc;
 }
 
 static int add_type(PyObject *module, PyTypeObject **slot, PyType_Spec *spec)
@@ -982,6 +1000,10 @@ static int module_exec(PyObject *module)
         return -1;
     if (dptc_reducer_module_exec(module, st) < 0 || dptc_shard_module_exec(module, st) < 0)
         return -1;
+    if (dptc_ranges_module_exec(module, st) < 0)
+        return -1;
+    if (dptc_cudalib_module_exec(module, st) < 0 || add_transports(module) < 0)
+        return -1;
     return 0;
 }
 
@@ -995,7 +1017,9 @@ static int module_traverse(PyObject *module, visitproc visit, void *arg)
     Py_VISIT(st->timeout_error);
     Py_VISIT(st->peer_lost_error);
     Py_VISIT(st->mismatch_error);
+    Py_VISIT(st->cuda_library_error);
     int rc = dptc_shard_traverse(st, visit, arg);
+    rc = rc ? rc : dptc_ranges_traverse(st, visit, arg);
     return rc ? rc : dptc_reducer_traverse(st, visit, arg);
 }
 
@@ -1009,8 +1033,10 @@ static int module_clear(PyObject *module)
     Py_CLEAR(st->timeout_error);
     Py_CLEAR(st->peer_lost_error);
     Py_CLEAR(st->mismatch_error);
+    Py_CLEAR(st->cuda_library_error);
     dptc_reducer_clear(st);
     dptc_shard_clear(st);
+    dptc_ranges_clear(st);
     return 0;
 }
 

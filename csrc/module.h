@@ -22,6 +22,12 @@ typedef struct {
     PyObject *timeout_error;
     PyObject *peer_lost_error;
     PyObject *mismatch_error;
+    PyObject *cuda_library_error;  /* NCCL or the CUDA runtime cannot be loaded (cudalib.c) */
+    /* torch's profiler, for ranges.c; NULL until dptc/_ranges.py calls set_profiler. */
+    PyObject *profiler_flags;      /* dict holding the "a profiler records" flag */
+    PyObject *profiler_flag;       /* the flag's key (interned str) */
+    PyObject *range_open;          /* open_range(name) -> handle */
+    PyObject *range_close;         /* close_range(handle) */
 } dptc_module_state;
 
 dptc_module_state *dptc_state(PyObject *module);
@@ -72,9 +78,31 @@ int dptc_reducer_module_exec(PyObject *module, dptc_module_state *st);
 int dptc_reducer_traverse(dptc_module_state *st, visitproc visit, void *arg);
 void dptc_reducer_clear(dptc_module_state *st);
 
+/* Implemented by cudalib_module.c: adds load_cuda, cuda_libraries and
+ * cuda_device_count (see [Note: loading NCCL and the CUDA runtime]). */
+int dptc_cudalib_module_exec(PyObject *module, dptc_module_state *st);
+
 /* Implemented by shard.c: adds Unit, FSDP's unit state machine. */
 int dptc_shard_module_exec(PyObject *module, dptc_module_state *st);
 int dptc_shard_traverse(dptc_module_state *st, visitproc visit, void *arg);
 void dptc_shard_clear(dptc_module_state *st);
+
+/* Implemented by ranges.c: named ranges in torch.profiler traces (see
+ * [Note: profiler ranges] in dptc/_ranges.py); adds set_profiler.  GIL held
+ * for all.  dptc_profiling (1 while a torch profiler records) is the only
+ * one to call when no profiler records: it reads a flag and calls nothing. */
+int dptc_ranges_module_exec(PyObject *module, dptc_module_state *st);
+int dptc_ranges_traverse(dptc_module_state *st, visitproc visit, void *arg);
+void dptc_ranges_clear(dptc_module_state *st);
+int dptc_profiling(dptc_module_state *st);
+/* Opens the range named by the PyUnicode_FromFormat `format`; *out receives
+ * a new reference to its handle.  DPTC_ERR_PYTHON with an exception set on
+ * failure. */
+dptc_status dptc_range_open(dptc_module_state *st, PyObject **out, const char *format, ...);
+/* Closes *range, if any, and clears it, on the thread that opened it.  With
+ * an exception already set it keeps that one (a failure to close is written
+ * as unraisable) and returns DPTC_OK; otherwise a failure is DPTC_ERR_PYTHON
+ * with its exception set. */
+dptc_status dptc_range_close(dptc_module_state *st, PyObject **range);
 
 #endif /* DPTC_MODULE_H */

@@ -8,7 +8,9 @@
  * submitted to the engine in bucket order while autograd keeps running; a
  * callback queued on the autograd engine by the first hook of each backward
  * waits for the buckets with the GIL released and writes the averages back
- * into .grad.
+ * into .grad.  While a torch profiler records, each bucket's all-reduce and
+ * the callback run inside named ranges (see [Note: profiler ranges] in
+ * dptc/_ranges.py).
  *
  * [Note: gradient bucket lifetime]
  * A bucket is a flat torch tensor of one dtype, allocated by ddp.py
@@ -139,6 +141,9 @@ typedef struct {
     Py_ssize_t pending;     /* members not yet ready */
     dptc_work *work;        /* the submitted all-reduce; NULL before launch or
                                when the bucket is empty */
+    PyObject *range;        /* its profiler range from launch until the reducer
+                               sees it complete (see [Note: profiler ranges] in
+                               dptc/_ranges.py), or NULL */
 } bucket;
 
 typedef struct ReducerObject ReducerObject;
@@ -172,6 +177,8 @@ struct ReducerObject {
     /* Per-backward state */
     step_state state;
     Py_ssize_t next_launch;    /* first bucket not yet submitted */
+    Py_ssize_t open_ranges;    /* buckets whose range is open: while 0, hooks
+                                  look for no completions */
     uint8_t *used_map;         /* nslots bytes, reduced by the engine thread */
     dptc_work *used_work;
 
@@ -290,6 +297,40 @@ static dptc_status bucket_submit_pieces(ReducerObject *r, dptc_group *g, bucket 
     return status;
 }
 
+/* Opens bucket b's range while a profiler records.  GIL held. */
+static dptc_status bucket_open_range(ReducerObject *r, bucket *b)
+{
+    dptc_module_state *st = reducer_state(r);
+    if (!dptc_profiling(st))
+        return DPTC_OK;
+    CHECK(dptc_range_open(st, &b->range, "dptc::all_reduce bucket %zd",
+                          (Py_ssize_t)(b - r->buckets)));
+    r->open_ranges++;
+    return DPTC_OK;
+}
+
+/* Closes bucket b's range, if open.  GIL held. */
+static dptc_status bucket_close_range(ReducerObject *r, bucket *b)
+{
+    if (!b->range)
+        return DPTC_OK;
+    r->open_ranges--;
+    return dptc_range_close(reducer_state(r), &b->range);
+}
+
+/* Closes the ranges of launched buckets whose all-reduce has completed, so
+ * that a range ends at the first hook after its work did, not at the end of
+ * backward.  GIL held. */
+static dptc_status close_completed_ranges(ReducerObject *r)
+{
+    for (Py_ssize_t i = 0; i < r->next_launch && r->open_ranges > 0; i++) {
+        bucket *b = &r->buckets[i];
+        if (b->range && b->work && dptc_work_is_completed(b->work))
+            CHECK(bucket_close_range(r, b));
+    }
+    return DPTC_OK;
+}
+
 /* Submits bucket b's all-reduce.  GIL held. */
 static dptc_status bucket_launch(ReducerObject *r, bucket *b, dptc_error *err)
 {
@@ -298,6 +339,8 @@ static dptc_status bucket_launch(ReducerObject *r, bucket *b, dptc_error *err)
     dptc_group *g = dptc_group_from_object(reducer_state(r), r->group, "process_group");
     if (!g)
         return DPTC_ERR_PYTHON;
+    /* The range covers the launch (and a compressing cast) too. */
+    CHECK(bucket_open_range(r, b));
     dptc_coll coll = {.op = DPTC_OP_ALL_REDUCE, .dtype = b->dtype, .redop = DPTC_AVG,
                       .input = b->data, .output = b->data, .count = b->count, .root = 0};
     for (Py_ssize_t k = 0; k < b->nmembers && reduces_in_place(r); k++)
@@ -394,6 +437,9 @@ static void step_end(ReducerObject *r)
     }
     for (Py_ssize_t i = 0; i < r->nbuckets; i++) {
         r->buckets[i].pending = r->buckets[i].nmembers;
+        /* Left open by a failed step. */
+        if (bucket_close_range(r, &r->buckets[i]) != DPTC_OK)
+            PyErr_WriteUnraisable((PyObject *)r);
     }
     for (Py_ssize_t i = 0; i < r->nslots; i++) {
         param_slot *s = &r->slots[i];
@@ -521,6 +567,8 @@ static dptc_status slot_mark_ready(ReducerObject *r, Py_ssize_t index, PyObject 
                                    int at_end, dptc_error *err)
 {
     param_slot *s = &r->slots[index];
+    if (r->open_ranges > 0)
+        CHECK(close_completed_ranges(r));
     CHECK(slot_capture(r, s, grad));
     s->ready = 1;
     bucket *b = &r->buckets[s->bucket];
@@ -713,7 +761,8 @@ static dptc_status bucket_complete(ReducerObject *r, bucket *b, double timeout, 
 }
 
 /* Waits for everything, in launch order, copying each bucket back as soon
- * as it is done.  Called with the GIL held; releases it. */
+ * as it is done and closing its range, if open, then.  Called with the GIL
+ * held; releases it (and takes it back only to close a range). */
 static dptc_status wait_and_copy_back(ReducerObject *r, dptc_error *err)
 {
     dptc_group *g = dptc_group_from_object(reducer_state(r), r->group, "process_group");
@@ -733,8 +782,14 @@ static dptc_status wait_and_copy_back(ReducerObject *r, dptc_error *err)
             r->used_work = NULL;
         }
     }
-    for (Py_ssize_t i = 0; i < r->nbuckets && status == DPTC_OK; i++)
+    for (Py_ssize_t i = 0; i < r->nbuckets && status == DPTC_OK; i++) {
         status = bucket_complete(r, &r->buckets[i], timeout, err);
+        if (status == DPTC_OK && r->buckets[i].range) {
+            Py_BLOCK_THREADS
+            status = bucket_close_range(r, &r->buckets[i]);
+            Py_UNBLOCK_THREADS
+        }
+    }
     Py_END_ALLOW_THREADS
     status = dptc_unwatch_signals(&watch, status, err);
     r->wait_seconds += dptc_now() - start;
@@ -829,6 +884,7 @@ static void buckets_free(bucket *buckets, Py_ssize_t n)
     for (Py_ssize_t i = 0; i < n; i++) {
         Py_XDECREF(buckets[i].tensor);
         Py_XDECREF(buckets[i].comm_tensor);
+        Py_XDECREF(buckets[i].range);
         PyMem_Free(buckets[i].members);
     }
     PyMem_Free(buckets);
@@ -1173,16 +1229,9 @@ static PyObject *reducer_prepare_for_backward(PyObject *op, PyObject *arg)
     Py_RETURN_NONE;
 }
 
-PyDoc_STRVAR(finalize_doc,
-"_finalize()\n--\n\n"
-"End-of-backward callback (queued by the first hook): launches what is left,\n"
-"waits without the GIL and writes the averaged gradients into .grad.");
-
-static PyObject *reducer_finalize(PyObject *op, PyObject *Py_UNUSED(ignored))
+/* The body of _finalize, inside its range.  GIL held. */
+static PyObject *finalize_step(ReducerObject *r)
 {
-    ReducerObject *r = (ReducerObject *)op;
-    if (r->state != STEP_REDUCING)
-        Py_RETURN_NONE;
     dptc_error err = {{0}};
     dptc_status status;
     if (r->find_unused) {
@@ -1204,6 +1253,28 @@ static PyObject *reducer_finalize(PyObject *op, PyObject *Py_UNUSED(ignored))
     r->steps++;
     step_end(r);
     Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(finalize_doc,
+"_finalize()\n--\n\n"
+"End-of-backward callback (queued by the first hook): launches what is left,\n"
+"waits without the GIL and writes the averaged gradients into .grad.");
+
+static PyObject *reducer_finalize(PyObject *op, PyObject *Py_UNUSED(ignored))
+{
+    ReducerObject *r = (ReducerObject *)op;
+    if (r->state != STEP_REDUCING)
+        Py_RETURN_NONE;
+    dptc_module_state *st = reducer_state(r);
+    PyObject *range = NULL;
+    if (dptc_profiling(st) && dptc_range_open(st, &range, "dptc::ddp finalize") != DPTC_OK) {
+        dptc_error err = {{0}};
+        return step_fail(r, DPTC_ERR_PYTHON, &err);
+    }
+    PyObject *result = finalize_step(r);
+    if (dptc_range_close(st, &range) != DPTC_OK)
+        Py_CLEAR(result);
+    return result;
 }
 
 static PyObject *reducer_get_observed_order(PyObject *op, void *Py_UNUSED(closure))
@@ -1261,6 +1332,7 @@ static int reducer_traverse(PyObject *op, visitproc visit, void *arg)
     for (Py_ssize_t j = 0; j < r->nbuckets; j++) {
         Py_VISIT(r->buckets[j].tensor);
         Py_VISIT(r->buckets[j].comm_tensor);
+        Py_VISIT(r->buckets[j].range);
     }
     return 0;
 }

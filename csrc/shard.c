@@ -23,6 +23,13 @@
  * collective touches alive until it has completed, and leak them if a wait
  * gives up before it does (see [Note: memory of unfinished work] in
  * module.c).
+ *
+ * While a torch profiler records, each collective's range follows the
+ * states: the gather's opens at unshard and closes when the unit leaves
+ * UNIT_UNSHARDING, the reduce-scatter's opens at reduce and closes when its
+ * wait returns, and HSDP's all-reduce across replicas has its own (see
+ * [Note: profiler ranges] in dptc/_ranges.py).  The ranges carry the unit's
+ * label, its module's name, which dptc/fsdp sets.
  */
 #include "module.h"
 
@@ -65,6 +72,10 @@ typedef struct {
     unsigned char *ready;     /* nparams flags */
     PyObject *reduce_work;    /* Work of the reduce-scatter in flight, or NULL */
     PyObject *after_reduce;   /* (group, dtype, redop, tensor, stream): HSDP's all-reduce */
+    /* Profiler ranges: the unit's name in them, and the ranges open now. */
+    PyObject *label;          /* str */
+    PyObject *gather_range;   /* while UNIT_UNSHARDING, when a profiler recorded at unshard */
+    PyObject *reduce_range;   /* while GRADS_REDUCING, likewise */
 } UnitObject;
 
 static PyObject *unit_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
@@ -95,6 +106,11 @@ static PyObject *unit_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     if (!self->ready) {
         Py_DECREF(self);
         return PyErr_NoMemory();
+    }
+    self->label = PyUnicode_FromString("unit");
+    if (!self->label) {
+        Py_DECREF(self);
+        return NULL;
     }
     self->group = Py_NewRef(group);
     self->gather_stream = gather_stream;
@@ -140,6 +156,30 @@ static int finish(PyObject **work)
     return 0;
 }
 
+static dptc_module_state *unit_module_state(UnitObject *self)
+{
+    return dptc_state_from_type(Py_TYPE(self));
+}
+
+/* Opens the range "<collective> <label>" into *range while a profiler
+ * records.  0, or -1 with an exception. */
+static int unit_open_range(UnitObject *self, PyObject **range, const char *collective)
+{
+    dptc_module_state *st = unit_module_state(self);
+    if (!dptc_profiling(st))
+        return 0;
+    return dptc_range_open(st, range, "%s %U", collective, self->label) == DPTC_OK ? 0 : -1;
+}
+
+/* Closes *range, if open, keeping an exception already set.  0, or -1 with
+ * an exception. */
+static int unit_close_range(UnitObject *self, PyObject **range)
+{
+    if (!*range)
+        return 0;
+    return dptc_range_close(unit_module_state(self), range) == DPTC_OK ? 0 : -1;
+}
+
 /* unshard(dtype, input, outputs, count) -> bool: SHARDED -> UNSHARDING.
  * Gathers every rank's `input` (count elements, the concatenation of this
  * rank's pieces) into the list of unsharded `outputs`.  False, doing
@@ -152,14 +192,17 @@ static PyObject *unit_unshard(UnitObject *self, PyObject *const *args, Py_ssize_
     }
     if (self->state != UNIT_SHARDED)
         Py_RETURN_FALSE;
+    if (unit_open_range(self, &self->gather_range, "dptc::all_gather") < 0)
+        return NULL;
     PyObject *zero = PyLong_FromLong(0);
-    if (!zero)
+    if (zero)
+        self->gather_work = submit(self->group, DPTC_OP_ALL_GATHER, args[0], zero, args[1],
+                                   args[2], args[3], self->gather_stream);
+    Py_XDECREF(zero);
+    if (!self->gather_work) {
+        unit_close_range(self, &self->gather_range);  /* keeps submit's exception */
         return NULL;
-    self->gather_work = submit(self->group, DPTC_OP_ALL_GATHER, args[0], zero, args[1],
-                               args[2], args[3], self->gather_stream);
-    Py_DECREF(zero);
-    if (!self->gather_work)
-        return NULL;
+    }
     self->state = UNIT_UNSHARDING;
     Py_RETURN_TRUE;
 }
@@ -177,7 +220,7 @@ static PyObject *unit_wait_unshard(UnitObject *self, PyObject *Py_UNUSED(ignored
         /* Failed or not, the gather is over: a failure leaves the group
          * aborted and the unit sharded. */
         self->state = rc == 0 ? UNIT_UNSHARDED : UNIT_SHARDED;
-        if (rc < 0)
+        if (unit_close_range(self, &self->gather_range) < 0 || rc < 0)
             return NULL;
     }
     Py_RETURN_NONE;
@@ -192,7 +235,7 @@ static PyObject *unit_reshard(UnitObject *self, PyObject *Py_UNUSED(ignored))
         Py_RETURN_FALSE;
     int rc = self->state == UNIT_UNSHARDING ? finish(&self->gather_work) : 0;
     self->state = UNIT_SHARDED;
-    if (rc < 0)
+    if (unit_close_range(self, &self->gather_range) < 0 || rc < 0)
         return NULL;
     Py_RETURN_TRUE;
 }
@@ -245,10 +288,14 @@ static PyObject *unit_reduce(UnitObject *self, PyObject *const *args, Py_ssize_t
         PyErr_SetString(PyExc_TypeError, "reduce: after must be (group, dtype, redop, stream)");
         return NULL;
     }
+    if (unit_open_range(self, &self->reduce_range, "dptc::reduce_scatter") < 0)
+        return NULL;
     self->reduce_work = submit(self->group, DPTC_OP_REDUCE_SCATTER, args[0], args[1],
                                args[2], args[3], args[4], self->reduce_stream);
-    if (!self->reduce_work)
+    if (!self->reduce_work) {
+        unit_close_range(self, &self->reduce_range);  /* keeps submit's exception */
         return NULL;
+    }
     self->grads = GRADS_REDUCING;
     Py_XSETREF(self->after_reduce,
                after ? PyTuple_Pack(5, PyTuple_GET_ITEM(after, 0), PyTuple_GET_ITEM(after, 1),
@@ -270,14 +317,18 @@ static int run_after_reduce(UnitObject *self)
         return 0;
     int rc = -1;
     PyObject *group = PyTuple_GET_ITEM(after, 0), *tensor = PyTuple_GET_ITEM(after, 3);
+    PyObject *range = NULL;
     PyObject *count = PyObject_CallMethod(tensor, "numel", NULL);
     long stream = PyLong_AsLong(PyTuple_GET_ITEM(after, 4));
     PyObject *work = NULL;
-    if (count && !(stream == -1 && PyErr_Occurred()))
+    if (count && !(stream == -1 && PyErr_Occurred()) &&
+        unit_open_range(self, &range, "dptc::all_reduce") == 0)
         work = submit(group, DPTC_OP_ALL_REDUCE, PyTuple_GET_ITEM(after, 1),
                       PyTuple_GET_ITEM(after, 2), tensor, tensor, count, (int)stream);
     if (work)
         rc = finish(&work);
+    if (unit_close_range(self, &range) < 0)
+        rc = -1;
     Py_XDECREF(count);
     Py_DECREF(after);
     return rc;
@@ -290,6 +341,8 @@ static PyObject *unit_wait_reduce(UnitObject *self, PyObject *Py_UNUSED(ignored)
     if (self->grads == GRADS_IDLE)
         Py_RETURN_FALSE;
     int rc = finish(&self->reduce_work);
+    if (unit_close_range(self, &self->reduce_range) < 0)
+        rc = -1;
     if (rc == 0)
         rc = run_after_reduce(self);
     Py_CLEAR(self->after_reduce);
@@ -314,6 +367,21 @@ static PyObject *unit_get_ready(UnitObject *self, void *Py_UNUSED(closure))
     return PyLong_FromSsize_t(self->nready);
 }
 
+static PyObject *unit_get_label(UnitObject *self, void *Py_UNUSED(closure))
+{
+    return Py_NewRef(self->label);
+}
+
+static int unit_set_label(UnitObject *self, PyObject *value, void *Py_UNUSED(closure))
+{
+    if (!value || !PyUnicode_Check(value)) {
+        PyErr_SetString(PyExc_TypeError, "Unit.label must be a str");
+        return -1;
+    }
+    Py_SETREF(self->label, Py_NewRef(value));
+    return 0;
+}
+
 static int unit_traverse(UnitObject *self, visitproc visit, void *arg)
 {
     Py_VISIT(Py_TYPE(self));
@@ -321,6 +389,9 @@ static int unit_traverse(UnitObject *self, visitproc visit, void *arg)
     Py_VISIT(self->gather_work);
     Py_VISIT(self->reduce_work);
     Py_VISIT(self->after_reduce);
+    Py_VISIT(self->label);
+    Py_VISIT(self->gather_range);
+    Py_VISIT(self->reduce_range);
     return 0;
 }
 
@@ -330,6 +401,9 @@ static int unit_clear(UnitObject *self)
     Py_CLEAR(self->gather_work);   /* a Work's dealloc waits for its collective */
     Py_CLEAR(self->reduce_work);
     Py_CLEAR(self->after_reduce);
+    Py_CLEAR(self->label);
+    Py_CLEAR(self->gather_range);  /* dropping a handle ends its range */
+    Py_CLEAR(self->reduce_range);
     return 0;
 }
 
@@ -368,6 +442,8 @@ static PyGetSetDef unit_getset[] = {
     {"state", (getter)unit_get_state, NULL, "'sharded', 'unsharding' or 'unsharded'", NULL},
     {"reducing", (getter)unit_get_reducing, NULL, "a gradient reduction is in flight", NULL},
     {"ready", (getter)unit_get_ready, NULL, "gradients complete this backward", NULL},
+    {"label", (getter)unit_get_label, (setter)unit_set_label,
+     "the unit's name in profiler ranges, e.g. 'blocks.2'", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

@@ -15,7 +15,8 @@ except ImportError as error:
         f"dptc's C extension is not built in {os.path.dirname(__file__)}: build it there "
         f"(pip install --no-build-isolation -e ., or python setup.py build_ext --inplace), or run "
         f"from outside this source tree to use an installed dptc") from error
-from ._C import CollectiveMismatchError, DistError, DistTimeoutError, PeerLostError
+from ._C import (CollectiveMismatchError, CudaLibraryError, DistError, DistTimeoutError,
+                 PeerLostError)
 from .collectives import (ReduceOp, all_gather_into_tensor, all_gather_into_tensors,
                           all_gather_single, all_reduce, barrier, broadcast,
                           reduce_scatter_single, reduce_scatter_tensor)
@@ -24,7 +25,8 @@ from .group import (ProcessGroup, destroy_process_group, get_rank, get_world_siz
 
 __all__ = [
     "DistError", "DistTimeoutError", "PeerLostError", "CollectiveMismatchError",
-    "ReduceOp", "all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor",
+    "CudaLibraryError", "ReduceOp", "all_reduce", "broadcast", "all_gather_into_tensor",
+    "reduce_scatter_tensor",
     "all_gather_single", "reduce_scatter_single", "all_gather_into_tensors", "barrier",
     "ProcessGroup", "init_process_group", "destroy_process_group", "is_initialized", "new_group",
     "get_rank", "get_world_size", "DistributedDataParallel", "DDP",

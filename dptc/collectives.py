@@ -6,11 +6,15 @@ GIL released.  ``group`` is anything torch accepts (see group.resolve); on a ran
 group a collective does nothing and returns None, as torch's do.
 With ``async_op=True`` the function returns a handle (``wait()``,
 ``is_completed()``) that keeps the tensors alive until the work completes.
+While a torch profiler records, each call runs inside a named range (see [Note: profiler
+ranges] in _ranges.py).
 """
 
 import torch
 import torch.distributed as dist
 
+from . import _cuda
+from . import _ranges
 from ._dtypes import (OP_ALL_GATHER, OP_ALL_REDUCE, OP_BARRIER, OP_BROADCAST,
                       OP_REDUCE_SCATTER, dtype_code, redop_code)
 from .group import resolve
@@ -25,6 +29,12 @@ ReduceOp = dist.ReduceOp
 def _check_tensor(tensor, argname):
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{argname} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.device.type == "cuda":
+        # The first CUDA tensor loads NCCL and the CUDA runtime (dptc.CudaLibraryError names
+        # what is missing); see [Note: loading NCCL and the CUDA runtime] in csrc/cudalib.h.
+        raise ValueError(f"{argname} is on device {tensor.device}: "
+                         f"{_cuda.cuda_unsupported_reason()}; move it with .cpu(), or use "
+                         f"torch.distributed's nccl backend for CUDA tensors")
     if tensor.device.type != "cpu":
         raise ValueError(f"{argname} is on device {tensor.device}, but dptc's engine moves CPU "
                          f"tensors; move it with .cpu() (the GPU transport comes with NCCL)")
@@ -55,9 +65,26 @@ def _issue(pg, op, dtype, redop, input, output, count, root, async_op, stream):
         raise ValueError(f"stream must be an int in [0, {pg.num_streams}) (the group's "
                          f"num_streams; DPTC_STREAMS sets it), got {stream!r}")
     args = (op, dtype, redop, input, output, count, root, stream)
+    if _profiler_flags._is_profiler_enabled:
+        return _issue_in_range(pg, args, async_op)
     if async_op:
         return pg._c.submit(*args)
     pg._c.run(*args)
+    return None
+
+
+# See [Note: profiler ranges] in _ranges.py: reading this flag is all a collective pays when no
+# profiler records.
+_profiler_flags = _ranges.flags
+
+
+def _issue_in_range(pg, args, async_op):
+    """_issue while a profiler records: the collective inside its named range (a blocking call
+    to its completion, an async one its launch)."""
+    with _ranges.Range(_ranges.COLLECTIVE_NAMES[args[0]]):
+        if async_op:
+            return pg._c.submit(*args)
+        pg._c.run(*args)
     return None
 
 

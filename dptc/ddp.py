@@ -16,7 +16,7 @@ import warnings
 import torch
 import torch.nn as nn
 
-from . import _C
+from . import _C, _cuda
 from .comm_hooks import COMM_BF16, COMM_FP16, COMM_PLAIN, native_mode
 from ._dtypes import dtype_code
 from .collectives import broadcast
@@ -437,10 +437,14 @@ def _check_unsupported(delay_all_reduce_named_params, param_to_hook_all_reduce,
 def _check_devices(params, names, device_ids, output_device):
     devices = {p.device for p in params}
     if any(device.type != "cpu" for device in devices):
+        # A CUDA module loads NCCL and the CUDA runtime first (dptc.CudaLibraryError names what
+        # is missing); see [Note: loading NCCL and the CUDA runtime] in csrc/cudalib.h.
+        found = (f" ({_cuda.cuda_unsupported_reason()})"
+                 if any(device.type == "cuda" for device in devices) else "")
         raise NotImplementedError(
             f"dptc's DistributedDataParallel supports CPU modules for now, but the module's "
-            f"parameters are on {sorted(str(d) for d in devices)}; move the module to the CPU "
-            f"or use torch's DistributedDataParallel for GPU modules")
+            f"parameters are on {sorted(str(d) for d in devices)}{found}; move the module to "
+            f"the CPU or use torch's DistributedDataParallel for GPU modules")
     if device_ids or output_device is not None:
         raise ValueError(
             "DistributedDataParallel device_ids and output_device arguments only work with "

@@ -31,6 +31,7 @@ import torch
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten, tree_map
 
+from .._ranges import Range
 from ._unit import ReduceRing
 
 __all__ = []
@@ -71,6 +72,7 @@ class State:
         self.handles = []
         if unit is not None:
             unit.grad_hooks(self._post_backward)
+            unit.set_label(",".join(type(m).__name__ for m in modules))  # until lazy_init
         for module in modules:
             self.handles.append(module.register_forward_pre_hook(
                 self._pre_forward, prepend=True, with_kwargs=True))
@@ -82,7 +84,8 @@ class State:
         if self.root is not None:
             return
         self.root = self
-        for module in (m for top in self.modules for m in top.modules()):
+        names = _range_names(self.modules)
+        for module in names:
             state = module.__dict__.get("_dptc_fsdp_state")
             if state is None or state.root is not None and state is not self:
                 continue
@@ -94,6 +97,8 @@ class State:
                 state.reshard_after_forward = state is not self
             if state.unit is not None:
                 state.unit.reset_sharded()
+                state.unit.set_label(",".join(names.get(m, type(m).__name__)
+                                              for m in state.modules))
         self._make_rings()
 
     # -- forward ------------------------------------------------------------------------------
@@ -221,6 +226,10 @@ class State:
 
     def _end_of_backward(self):
         """The root's callback, after autograd's last node (see [Note: one training step])."""
+        with Range("dptc::fsdp finalize"):
+            self._finish_backward()
+
+    def _finish_backward(self):
         self.callback_queued = False
         self.reducing = []
         try:
@@ -258,3 +267,21 @@ class State:
                     bucket.partial = bucket.partial_had = None
                 state.unit.reshard()
                 state.unit.reset_ready()
+
+
+# Wrappers whose attribute names appear in qualified names but not in the user's model.
+_WRAPPER_NAMES = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+
+
+def _range_names(tops):
+    """{module: its name in profiler ranges} over the root's subtree, in module order: the
+    qualified name from the root without FSDP1's and activation checkpointing's wrapper
+    attributes (``blocks.2``), and ``root`` for the root itself (see [Note: profiler ranges] in
+    dptc/_ranges.py)."""
+    names = {}
+    for top in tops:
+        for name, module in top.named_modules():
+            if module not in names:
+                parts = [part for part in name.split(".") if part and part not in _WRAPPER_NAMES]
+                names[module] = ".".join(parts) or "root"
+    return names

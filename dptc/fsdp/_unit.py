@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .. import _C
 from .._dtypes import OP_ALL_REDUCE, REDOP_AVG, REDOP_SUM, dtype_code
+from .._ranges import Range
 
 __all__ = []
 
@@ -174,6 +175,7 @@ class Unit:
         self.buckets = [_Bucket(ps, *dtypes, shard_group, size)
                         for dtypes, ps in by_dtypes.items()]
         self.divide_factor = None
+        self.label = "unit"              # its name in profiler ranges, see set_label
         originals = {id(p): param for p, (param, _) in zip(self.params, params_and_locations)}
         for bucket in self.buckets:
             self._shard(bucket, originals)
@@ -228,6 +230,13 @@ class Unit:
                             view.copy_(local)
                     p.sharded._local_tensor = p.local_alias(bucket.flat)
                 p.register(p.sharded)
+
+    def set_label(self, label):
+        """Names the unit in profiler ranges, e.g. ``dptc::all_gather blocks.2`` (see [Note:
+        profiler ranges] in dptc/_ranges.py)."""
+        self.label = label
+        for bucket in self.buckets:
+            bucket.c.label = label
 
     # -- parameters ---------------------------------------------------------------------------
 
@@ -410,9 +419,10 @@ class Unit:
                 output.add_(bucket.partial)
                 had = [a or b for a, b in zip(bucket.partial_had, had)]
                 bucket.partial = bucket.partial_had = None
-                self.replicate_group._c.run(OP_ALL_REDUCE, dtype_code(output.dtype),
-                                            bucket.redop, output, output, output.numel(), 0,
-                                            self._replicate_stream())
+                with Range(f"dptc::all_reduce {self.label}"):
+                    self.replicate_group._c.run(OP_ALL_REDUCE, dtype_code(output.dtype),
+                                                bucket.redop, output, output, output.numel(),
+                                                0, self._replicate_stream())
             if self.divide_factor is not None:
                 output.div_(self.divide_factor)
             for p, has in zip(bucket.params, had):
