@@ -203,3 +203,36 @@ def test_threads_sharing_a_stream_are_serialised():
                        if any(s == contribution[(r, t)] + contribution[(1 - r, u)]
                               for u in range(2)))
             assert used == THREAD_ITERATIONS, (r, t, everything)
+
+
+# ---------------------------------------------------------------------------------------------
+# A Work dropped without wait()
+
+DROP_LATE_S = 1.5
+
+
+@pytest.mark.parametrize("outcome", ["completes", "gives_up"])
+def test_dropped_work_keeps_its_tensor_until_the_collective_is_over(outcome):
+    """Rank 0 drops the only reference to an all_reduce's tensor and then its Work, without
+    wait(), while rank 1 arrives 1.5 s later.  The Work holds the tensor until the collective
+    is over: dropping it returns only then, the tensor alive at every 10 ms sample until it
+    does (but the last 50 ms), freed right after.  With DPTC_TIMEOUT 20 s the collective
+    completes (rank 1 gets the sum); with 0.5 s it fails at its deadline, aborting the group,
+    so rank 1 raises PeerLostError and nothing writes into freed memory.
+
+    Old behaviour: dropping the Work released the tensor at once, while the queued collective
+    still held its address and wrote the sum into it 1.5 s later."""
+    timeout = 20 if outcome == "completes" else 0.5
+    r0, r1 = run_ranks("tests.workers_edges:dropped_work", 2,
+                       args={"late_s": DROP_LATE_S, "count": 1 << 20},
+                       env={"DPTC_TIMEOUT": timeout}, timeout=60)
+    assert r0["samples_during"] >= 10 and r0["alive_during"], r0
+    assert not r0["alive_after"], r0
+    if outcome == "completes":
+        assert DROP_LATE_S - 0.2 <= r0["drop_elapsed"] < DROP_LATE_S + SLACK_S, r0
+        assert r1["error"] is None and r1["values"] == [3.0], r1
+    else:
+        # The collective's own deadline (DPTC_TIMEOUT from its submission) ends it.
+        assert timeout - 0.2 <= r0["drop_elapsed"] < timeout + SLACK_S, r0
+        assert r1["error"] is not None and r1["error"]["type"] == "PeerLostError", r1
+        assert r1["elapsed"] < SLACK_S, r1

@@ -224,3 +224,52 @@ def threads_one_stream(iterations: int, count: int):
 
     results, errors = _run_threads(body, 2)
     return {"sums": results, "errors": errors}
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. A Work dropped without wait()
+
+def dropped_work(late_s: float, count: int):
+    """Rank 0 starts all_reduce(T, async_op=True), drops its only reference to T, then drops the
+    Work without waiting, while rank 1 issues its all_reduce only `late_s` seconds later.  A
+    thread samples a weak reference to T every 10 ms meanwhile.
+
+    Rank 0 returns how long dropping the Work took, whether T was alive at every sample taken
+    before the drop returned, and whether it is alive after; rank 1 what its all_reduce gave
+    (or raised) and when."""
+    import weakref
+
+    import dptc
+    rank = dptc.get_rank()
+    dptc.all_reduce(torch.ones(4))  # every rank is up and the group is initialised
+    tensor = torch.full((count,), float(rank + 1))
+    if rank == 1:
+        time.sleep(late_s)
+        started = time.monotonic()
+        try:
+            dptc.all_reduce(tensor)
+            error = None
+        except Exception as caught:  # noqa: BLE001 - reported to the test
+            error = _error(caught)
+        return {"error": error, "elapsed": time.monotonic() - started,
+                "values": sorted(set(tensor.tolist()))}
+    work = dptc.all_reduce(tensor, async_op=True)
+    alive = weakref.ref(tensor)
+    del tensor
+    samples, stop = [], threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            samples.append((time.monotonic(), alive() is not None))
+            time.sleep(0.01)
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    started = time.monotonic()
+    del work
+    returned = time.monotonic()
+    stop.set()
+    sampler.join()
+    # The last 50 ms are left out: the Work releases T just before the drop returns.
+    during = [is_alive for at, is_alive in samples if at < returned - 0.05]
+    return {"drop_elapsed": returned - started, "samples_during": len(during),
+            "alive_during": all(during), "alive_after": alive() is not None}
