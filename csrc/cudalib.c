@@ -36,7 +36,8 @@ static const symbol runtime_symbols[] = {
     REQUIRED(cudaStreamCreateWithPriority), REQUIRED(cudaStreamDestroy),
     REQUIRED(cudaEventCreateWithFlags), REQUIRED(cudaEventRecord), REQUIRED(cudaEventQuery),
     REQUIRED(cudaEventSynchronize), REQUIRED(cudaStreamWaitEvent), REQUIRED(cudaEventDestroy),
-    REQUIRED(cudaGetErrorString), REQUIRED(cudaRuntimeGetVersion), REQUIRED(cudaDriverGetVersion),
+    REQUIRED(cudaGetErrorString), REQUIRED(cudaMalloc), REQUIRED(cudaFree),
+    REQUIRED(cudaRuntimeGetVersion), REQUIRED(cudaDriverGetVersion),
 };
 
 typedef struct {

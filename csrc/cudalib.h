@@ -91,6 +91,8 @@ typedef struct {
                                            unsigned flags);
     dptc_cuda_error (*cudaEventDestroy)(dptc_cuda_event event);
     const char *(*cudaGetErrorString)(dptc_cuda_error error);
+    dptc_cuda_error (*cudaMalloc)(void **pointer, size_t bytes);
+    dptc_cuda_error (*cudaFree)(void *pointer);
     dptc_cuda_error (*cudaRuntimeGetVersion)(int *version);
     dptc_cuda_error (*cudaDriverGetVersion)(int *version);
 } dptc_cuda_api;

@@ -79,6 +79,41 @@ static PyObject *load_cuda(PyObject *module, PyObject *const *args, Py_ssize_t n
     return cuda_libraries(module, NULL);
 }
 
+/* The loaded table, or NULL with dptc.CudaLibraryError set (load first). */
+const dptc_cuda_api *dptc_loaded_cuda(dptc_module_state *st)
+{
+    const dptc_cuda_api *api;
+    dptc_error err;
+    dptc_status status = dptc_cuda_load(NULL, NULL, &api, &err);
+    if (status != DPTC_OK) {
+        dptc_raise(st, status, &err);
+        return NULL;
+    }
+    return api;
+}
+
+/* nccl_unique_id() -> bytes: a new NCCL unique id, for a group's rank 0 to
+ * share through the store. */
+static PyObject *nccl_unique_id(PyObject *module, PyObject *Py_UNUSED(ignored))
+{
+    const dptc_cuda_api *api = dptc_loaded_cuda(dptc_state(module));
+    if (!api)
+        return NULL;
+    dptc_nccl_unique_id id;
+    dptc_nccl_result rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = api->ncclGetUniqueId(&id);
+    Py_END_ALLOW_THREADS
+    if (rc != DPTC_NCCL_SUCCESS) {
+        const char *text = api->ncclGetErrorString(rc);
+        dptc_error err;
+        dptc_fail(&err, DPTC_ERR_CUDA, "ncclGetUniqueId failed: %s (ncclResult %d)",
+                  text ? text : "unknown error", rc);
+        return dptc_raise(dptc_state(module), DPTC_ERR_CUDA, &err);
+    }
+    return PyBytes_FromStringAndSize(id.internal, sizeof id.internal);
+}
+
 /* cuda_device_count() -> int, through the loaded runtime's cudaGetDeviceCount. */
 static PyObject *cuda_device_count(PyObject *module, PyObject *Py_UNUSED(ignored))
 {
@@ -105,6 +140,8 @@ static PyMethodDef cudalib_functions[] = {
      "code, e.g. 22703; the runtime's, e.g. 12080), reason (what failed) and error (the "
      "message raised: the reason and the remedy); and the runtime's driver_version. "
      "Loads nothing."},
+    {"nccl_unique_id", nccl_unique_id, METH_NOARGS,
+     "nccl_unique_id() -> bytes\n\nA new NCCL unique id (NCCL must be loaded: load_cuda)."},
     {"cuda_device_count", cuda_device_count, METH_NOARGS,
      "cuda_device_count() -> int\n\n"
      "cudaGetDeviceCount through the loaded CUDA runtime; dptc.DistError when it fails."},

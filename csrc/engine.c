@@ -62,6 +62,11 @@ struct dptc_work {
     int stream;
     uint64_t seq;
     dptc_work *next;          /* queue link, guarded by the stream's lock */
+    /* Issued by a transport that enqueues (see [Note: device transports] in
+     * transport.h): what the progress thread waits on, and by when. */
+    int issued;
+    dptc_completion done;
+    double deadline;
 };
 
 typedef struct {
@@ -83,6 +88,7 @@ struct dptc_group {
     /* Identity */
     int rank, size, nstreams;
     double timeout_s;
+    int enqueues;             /* the transport's, see [Note: device transports] */
 
     /* The transport, and the failure record; guarded by lock.  transport
      * is NULL once the group is closed. */
@@ -174,6 +180,11 @@ void dptc_work_release(dptc_work *w)
 int dptc_work_is_completed(const dptc_work *w)
 {
     return atomic_load(&((dptc_work *)w)->state) == WORK_DONE;
+}
+
+void *dptc_work_device_completion(const dptc_work *w)
+{
+    return w->issued && !dptc_work_is_completed(w) ? w->done.handle : NULL;
 }
 
 static void work_finish(dptc_work *w, dptc_status status, const dptc_error *err)
@@ -289,6 +300,38 @@ static dptc_status execute(dptc_group *g, int stream_index, const dptc_coll *c, 
     return status;
 }
 
+/* Issues w with a transport that enqueues, on the calling thread (see
+ * [Note: device transports] in transport.h); the stream's lock is held, so
+ * issue order is seq order. */
+static dptc_status issue(dptc_group *g, dptc_work *w, dptc_error *err)
+{
+    if (atomic_load(&g->failed)) {
+        pthread_mutex_lock(&g->lock);
+        memcpy(err, &g->fail_err, sizeof *err);
+        dptc_status status = g->fail_status;
+        pthread_mutex_unlock(&g->lock);
+        return status;
+    }
+    dptc_transport *t = g->transport;
+    dptc_order order = {.stream = w->stream, .seq = w->seq,
+                        .deadline = dptc_now() + g->timeout_s};
+    w->deadline = order.deadline;
+    dptc_collective_fn run = w->coll.op == DPTC_OP_CALL ? NULL : collective_of(t->ops, w->coll.op);
+    if (!run)
+        return dptc_fail(err, DPTC_ERR_INVALID, "transport %s has no %s", t->ops->name,
+                         dptc_op_name(w->coll.op));
+    return run(t, &order, &w->coll, &w->done, err);
+}
+
+/* The progress thread's part of an issued work: its completion. */
+static dptc_status complete_issued(dptc_group *g, dptc_work *w, dptc_error *err)
+{
+    dptc_status status = w->done.wait ? w->done.wait(w->done.handle, w->deadline, err) : DPTC_OK;
+    if (status != DPTC_OK)
+        group_fail(g, status, err);
+    return status;
+}
+
 static void *progress_main(void *arg)
 {
     stream *s = arg;
@@ -308,7 +351,8 @@ static void *progress_main(void *arg)
 
         dptc_error err;
         atomic_store(&w->state, WORK_RUNNING);
-        dptc_status status = execute(g, s->index, &w->coll, w->seq, &err);
+        dptc_status status = w->issued ? complete_issued(g, w, &err)
+                                       : execute(g, s->index, &w->coll, w->seq, &err);
         work_finish(w, status, &err);
         dptc_work_release(w);
 
@@ -352,6 +396,17 @@ dptc_status dptc_group_submit(dptc_group *g, int stream_index, const dptc_coll *
         s->thread_started = 1;
     }
     w->seq = s->next_seq++;
+    if (g->enqueues) {
+        dptc_error failure;
+        dptc_status issued = issue(g, w, &failure);
+        if (issued != DPTC_OK) {
+            /* The work carries the failure; nothing is queued. */
+            group_fail(g, issued, &failure);
+            work_finish(w, issued, &failure);
+            goto unlock;
+        }
+        w->issued = 1;
+    }
     dptc_work_retain(w); /* the queue's reference */
     if (s->tail)
         s->tail->next = w;
@@ -376,7 +431,8 @@ dptc_status dptc_group_run(dptc_group *g, int stream_index, const dptc_coll *c,
     CHECK(check_stream(g, stream_index, err));
     stream *s = &g->streams[stream_index];
     pthread_mutex_lock(&s->lock);
-    if (!s->head && !s->busy && !atomic_load(&g->stopping)) {
+    /* A transport that enqueues issues in dptc_group_submit; see below. */
+    if (!g->enqueues && !s->head && !s->busy && !atomic_load(&g->stopping)) {
         s->busy = 1;
         uint64_t seq = s->next_seq++;
         pthread_mutex_unlock(&s->lock);
@@ -429,6 +485,7 @@ dptc_status dptc_group_create(const dptc_transport_ops *transport, const dptc_gr
     g->size = config->size;
     g->nstreams = config->nstreams;
     g->timeout_s = config->timeout_s;
+    g->enqueues = transport->enqueues;
     pthread_mutex_init(&g->lock, NULL);
     for (int i = 0; i < g->nstreams; i++) {
         stream *s = &g->streams[i];
@@ -465,10 +522,17 @@ static void stream_stop(stream *s)
         dptc_work *w = s->head;
         s->head = w->next;
         dptc_error err;
-        dptc_fail(&err, DPTC_ERR_ABORTED, "the process group was destroyed before collective "
-                                          "#%llu of stream %d ran",
-                  (unsigned long long)w->seq, s->index);
-        work_finish(w, DPTC_ERR_ABORTED, &err);
+        dptc_status status = DPTC_ERR_ABORTED;
+        if (w->issued) {
+            /* Already on the device: it is over only when its completion
+             * says so (or its deadline passes, failing the group). */
+            status = complete_issued(s->group, w, &err);
+        } else {
+            dptc_fail(&err, DPTC_ERR_ABORTED, "the process group was destroyed before "
+                                              "collective #%llu of stream %d ran",
+                      (unsigned long long)w->seq, s->index);
+        }
+        work_finish(w, status, &err);
         dptc_work_release(w);
     }
     s->tail = NULL;

@@ -75,6 +75,8 @@ struct dptc_coll {
     const size_t *output_counts;
     dptc_status (*call)(dptc_transport *t, const dptc_order *order, void *arg, dptc_error *err);
     void *call_arg;
+    void *device_stream;       /* the issuer's CUDA stream (a device transport orders the
+                                  collective after the work queued there so far) */
 };
 
 /* The shape of a group as one rank sees it.  Group ranks are numbered node
@@ -90,6 +92,8 @@ typedef struct {
     size_t slot_bytes;            /* staging bytes per rank, stream and buffer */
     double timeout_s;             /* deadline of every wait */
     const int *global_ranks;      /* size entries, for messages; NULL: the group ranks */
+    const void *transport_arg;    /* what the transport's open needs beyond this (NCCL:
+                                     dptc_nccl_config in nccl.h); NULL for shm */
 } dptc_group_config;
 
 typedef struct dptc_transport_ops dptc_transport_ops;
@@ -119,7 +123,10 @@ int dptc_group_streams(const dptc_group *g);
 double dptc_group_timeout(const dptc_group *g);
 
 /* Queues c on stream.  *out receives a new work reference (release with
- * dptc_work_release).  Safe without the GIL. */
+ * dptc_work_release).  With a transport that enqueues (see [Note: device
+ * transports] in transport.h) the collective is issued here, on the calling
+ * thread, and only its completion is left to the progress thread.  Safe
+ * without the GIL. */
 dptc_status dptc_group_submit(dptc_group *g, int stream, const dptc_coll *c, dptc_work **out,
                               dptc_error *err);
 /* Runs c to completion: on the calling thread when the stream is idle,
@@ -136,6 +143,9 @@ dptc_status dptc_group_run(dptc_group *g, int stream, const dptc_coll *c, dptc_w
  * message into err (may be NULL).  Call without the GIL. */
 dptc_status dptc_work_wait(dptc_work *w, double timeout_s, dptc_error *err);
 int dptc_work_is_completed(const dptc_work *w);
+/* The completion a device transport left for w (a CUDA event, see
+ * [Note: completions] in transport.h), or NULL: none, or w is completed. */
+void *dptc_work_device_completion(const dptc_work *w);
 void dptc_work_retain(dptc_work *w);
 void dptc_work_release(dptc_work *w);
 

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include "module.h"
+#include "nccl.h"
 #include "shm.h"
 
 /* ------------------------------------------------------------------ */
@@ -144,6 +145,7 @@ typedef struct {
     dptc_group *group;    /* owned; NULL once closed */
     PyObject *errors;     /* exceptions the cross-node bridge raised (list) */
     int rank, size;
+    int shm;              /* the shared-memory transport (else NCCL's) */
 } GroupObject;
 
 /* Raises the exception for a status of group `self`: the bridge's own
@@ -233,6 +235,50 @@ static PyObject *work_wait(WorkObject *self, PyObject *args, PyObject *kwargs)
     Py_RETURN_TRUE;
 }
 
+/* A CUDA stream's handle from an object with `cuda_stream` (torch.cuda.Stream);
+ * None is the legacy default stream.  0, or -1 with an exception. */
+static int cuda_stream_handle(PyObject *stream, void **out)
+{
+    *out = NULL;
+    if (stream == Py_None)
+        return 0;
+    PyObject *value = PyObject_GetAttrString(stream, "cuda_stream");
+    if (!value) {
+        PyErr_Format(PyExc_TypeError, "stream must be a torch.cuda.Stream or None, got %.100s",
+                     Py_TYPE(stream)->tp_name);
+        return -1;
+    }
+    *out = PyLong_AsVoidPtr(value);
+    Py_DECREF(value);
+    return *out == NULL && PyErr_Occurred() ? -1 : 0;
+}
+
+/* wait_stream(stream): makes the CUDA stream wait for this NCCL collective
+ * without blocking the host, as torch's Work.wait() does; raises the
+ * collective's failure when it has already failed.  See [Note: the NCCL
+ * transport] in nccl.h. */
+static PyObject *work_wait_stream(WorkObject *self, PyObject *stream)
+{
+    if (self->group->shm) {
+        PyErr_SetString(PyExc_TypeError, "wait_stream is for collectives on CUDA tensors "
+                                         "(NCCL); use wait()");
+        return NULL;
+    }
+    void *handle;
+    if (cuda_stream_handle(stream, &handle) < 0)
+        return NULL;
+    dptc_error err;
+    dptc_status status = DPTC_OK;
+    void *completion = dptc_work_device_completion(self->work);
+    if (completion)
+        status = dptc_nccl_stream_wait(completion, handle, &err);
+    else if (dptc_work_is_completed(self->work))
+        status = dptc_work_wait(self->work, 0, &err);
+    if (status != DPTC_OK)
+        return group_raise(self->group, dptc_state_from_type(Py_TYPE(self)), status, &err);
+    Py_RETURN_TRUE;
+}
+
 static PyObject *work_is_completed(WorkObject *self, PyObject *Py_UNUSED(ignored))
 {
     return PyBool_FromLong(dptc_work_is_completed(self->work));
@@ -282,6 +328,8 @@ static PyMethodDef work_methods[] = {
      "wait(timeout=None) -> True\n\nBlocks until the collective completes; raises its error."},
     {"is_completed", (PyCFunction)work_is_completed, METH_NOARGS,
      "is_completed() -> bool"},
+    {"wait_stream", (PyCFunction)work_wait_stream, METH_O,
+     "wait_stream(stream) -> True\n\nMakes the CUDA stream wait for this collective (NCCL)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -416,15 +464,40 @@ static PyObject *group_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
     static char *keywords[] = {"rank", "size", "local_rank", "local_size", "node", "nnodes",
                                "name", "create", "slot_bytes", "timeout", "streams", "ranks",
-                               NULL};
+                               "nccl_id", "device", NULL};
     dptc_group_config cfg = {.nstreams = 1};
     Py_ssize_t slot_bytes;
     PyObject *ranks = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iiiiiispnd|iO:Group", keywords, &cfg.rank,
-                                     &cfg.size, &cfg.local_rank, &cfg.local_size, &cfg.node,
-                                     &cfg.nnodes, &cfg.shm_name, &cfg.create, &slot_bytes,
-                                     &cfg.timeout_s, &cfg.nstreams, &ranks))
+    Py_buffer nccl_id = {0};
+    int device = -1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iiiiiispnd|iO$y*i:Group", keywords,
+                                     &cfg.rank, &cfg.size, &cfg.local_rank, &cfg.local_size,
+                                     &cfg.node, &cfg.nnodes, &cfg.shm_name, &cfg.create,
+                                     &slot_bytes, &cfg.timeout_s, &cfg.nstreams, &ranks,
+                                     &nccl_id, &device))
         return NULL;
+    /* With nccl_id, the group moves CUDA tensors of `device` through NCCL
+     * (see [Note: the NCCL transport] in nccl.h); else shared memory. */
+    const dptc_transport_ops *transport = &dptc_shm_transport;
+    dptc_nccl_config nccl = {0};
+    if (nccl_id.buf) {
+        size_t id_bytes = (size_t)nccl_id.len;
+        if (id_bytes == sizeof nccl.id.internal)
+            memcpy(nccl.id.internal, nccl_id.buf, id_bytes);
+        PyBuffer_Release(&nccl_id);
+        if (id_bytes != sizeof nccl.id.internal || device < 0) {
+            PyErr_Format(PyExc_ValueError, "nccl_id must be %zu bytes (nccl_unique_id()) and "
+                         "device a CUDA device index, got %zu bytes and device %d",
+                         sizeof nccl.id.internal, id_bytes, device);
+            return NULL;
+        }
+        nccl.api = dptc_loaded_cuda(dptc_state_from_type(type));
+        if (!nccl.api)
+            return NULL;
+        nccl.device = device;
+        cfg.transport_arg = &nccl;
+        transport = &dptc_nccl_transport;
+    }
     int *global_ranks = NULL;
     if (ranks != Py_None) {
         /* The members' global ranks, for messages. */
@@ -459,7 +532,7 @@ static PyObject *group_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     dptc_error err;
     dptc_status status;
     Py_BEGIN_ALLOW_THREADS
-    status = dptc_group_create(&dptc_shm_transport, &cfg, &self->group, &err);
+    status = dptc_group_create(transport, &cfg, &self->group, &err);
     Py_END_ALLOW_THREADS
     PyMem_Free(global_ranks);
     if (status != DPTC_OK) {
@@ -469,6 +542,7 @@ static PyObject *group_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     }
     self->rank = cfg.rank;
     self->size = cfg.size;
+    self->shm = transport == &dptc_shm_transport;
     return (PyObject *)self;
 fail:
     PyMem_Free(global_ranks);
@@ -516,6 +590,19 @@ static dptc_group *open_group(GroupObject *self, dptc_module_state **st)
 {
     *st = dptc_state_from_type(Py_TYPE(self));
     return dptc_group_from_object(*st, (PyObject *)self, "group");
+}
+
+/* open_group for what only the shared-memory transport has (its segment,
+ * shared buffers, bridges, slots): TypeError on a NCCL group. */
+static dptc_group *open_shm_group(GroupObject *self, dptc_module_state **st, const char *what)
+{
+    dptc_group *g = open_group(self, st);
+    if (g && !self->shm) {
+        PyErr_Format(PyExc_TypeError, "%s is for groups on the shared-memory transport; this "
+                     "group moves CUDA tensors through NCCL", what);
+        return NULL;
+    }
+    return g;
 }
 
 /* A collective being issued: the dptc_coll, the stream, and the arrays of
@@ -575,16 +662,26 @@ exit:
     return rc;
 }
 
-/* Parses (op, dtype, redop, input, output, count, root, stream) into is;
- * input and output are tensors or None (an all-gather's output may be a
- * list of tensors, its several-output form). */
+/* Parses (op, dtype, redop, input, output, count, root, stream[,
+ * cuda_stream]) into is; input and output are tensors or None (an
+ * all-gather's output may be a list of tensors, its several-output form);
+ * cuda_stream, for a NCCL group, is the issuer's torch.cuda.Stream. */
 static int parse_coll(GroupObject *self, PyObject *const *args, Py_ssize_t nargs, issued *is)
 {
     memset(is, 0, sizeof *is);
-    if (nargs != 8) {
-        PyErr_SetString(PyExc_TypeError,
-                        "expected (op, dtype, redop, input, output, count, root, stream)");
+    if (nargs != 8 && nargs != 9) {
+        PyErr_SetString(PyExc_TypeError, "expected (op, dtype, redop, input, output, count, "
+                                         "root, stream[, cuda_stream])");
         return -1;
+    }
+    if (nargs == 9) {
+        if (self->shm && args[8] != Py_None) {
+            PyErr_SetString(PyExc_TypeError, "cuda_stream is for groups that move CUDA tensors "
+                                             "(NCCL)");
+            return -1;
+        }
+        if (cuda_stream_handle(args[8], &is->coll.device_stream) < 0)
+            return -1;
     }
     long values[3];
     for (int i = 0; i < 3; i++) {
@@ -724,7 +821,7 @@ static PyObject *group_abort(GroupObject *self, PyObject *reason)
 static PyObject *group_share(GroupObject *self, PyObject *arg)
 {
     dptc_module_state *st;
-    dptc_group *g = open_group(self, &st);
+    dptc_group *g = open_shm_group(self, &st, "share");
     if (!g)
         return NULL;
     Py_ssize_t nbytes = PyLong_AsSsize_t(arg);
@@ -771,7 +868,7 @@ static PyObject *group_share(GroupObject *self, PyObject *arg)
 static PyObject *group_set_bridge(GroupObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     dptc_module_state *st;
-    dptc_group *g = open_group(self, &st);
+    dptc_group *g = open_shm_group(self, &st, "set_bridge");
     if (!g)
         return NULL;
     if (nargs != 2) {
@@ -800,7 +897,7 @@ static PyObject *group_set_bridge(GroupObject *self, PyObject *const *args, Py_s
 
 static PyObject *group_unlink(GroupObject *self, PyObject *Py_UNUSED(ignored))
 {
-    if (self->group)
+    if (self->group && self->shm)
         dptc_shm_unlink(dptc_group_transport(self->group));
     Py_RETURN_NONE;
 }
@@ -816,7 +913,7 @@ static PyObject *group_close(GroupObject *self, PyObject *Py_UNUSED(ignored))
 static PyObject *group_slot(GroupObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     dptc_module_state *st;
-    dptc_group *g = open_group(self, &st);
+    dptc_group *g = open_shm_group(self, &st, "slot");
     if (!g)
         return NULL;
     if (nargs != 2) {
@@ -841,7 +938,7 @@ static PyObject *group_slot(GroupObject *self, PyObject *const *args, Py_ssize_t
 static PyObject *group_segment_path(GroupObject *self, PyObject *Py_UNUSED(ignored))
 {
     dptc_module_state *st;
-    dptc_group *g = open_group(self, &st);
+    dptc_group *g = open_shm_group(self, &st, "segment_path");
     if (!g)
         return NULL;
     int fd = dptc_shm_segment_fd(dptc_group_transport(g));
@@ -858,7 +955,7 @@ static PyObject *group_failure(GroupObject *self, PyObject *Py_UNUSED(ignored))
         Py_RETURN_NONE;
     dptc_error err;
     if (dptc_group_failure(self->group, &err) == DPTC_OK &&
-        dptc_shm_failure(dptc_group_transport(self->group), &err) == DPTC_OK)
+        (!self->shm || dptc_shm_failure(dptc_group_transport(self->group), &err) == DPTC_OK))
         Py_RETURN_NONE;
     return PyUnicode_DecodeUTF8(err.message, (Py_ssize_t)strnlen(err.message, sizeof err.message),
                                 "replace");
@@ -975,7 +1072,8 @@ static int add_exceptions(PyObject *module, dptc_module_state *st)
 /* transports: the names of the transports compiled in (dptc.info reports them). */
 static int add_transports(PyObject *module)
 {
-    PyObject *names = Py_BuildValue("(ss)", dptc_shm_transport.name, "bridge");
+    PyObject *names = Py_BuildValue("(sss)", dptc_shm_transport.name, "bridge",
+                                    dptc_nccl_transport.name);
     if (!names)
         return -1;
     int rc = PyModule_AddObjectRef(module, "transports", names);

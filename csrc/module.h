@@ -6,6 +6,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include "cudalib.h"
 #include "dptc.h"
 #include "engine.h"
 
@@ -81,6 +82,9 @@ void dptc_reducer_clear(dptc_module_state *st);
 /* Implemented by cudalib_module.c: adds load_cuda, cuda_libraries and
  * cuda_device_count (see [Note: loading NCCL and the CUDA runtime]). */
 int dptc_cudalib_module_exec(PyObject *module, dptc_module_state *st);
+/* The loaded NCCL and CUDA runtime, or NULL with dptc.CudaLibraryError set
+ * when they were not loaded (dptc/_cuda.py loads them first). */
+const dptc_cuda_api *dptc_loaded_cuda(dptc_module_state *st);
 
 /* Implemented by shard.c: adds Unit, FSDP's unit state machine. */
 int dptc_shard_module_exec(PyObject *module, dptc_module_state *st);

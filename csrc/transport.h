@@ -15,6 +15,17 @@
  * futex word at once.  A transport that only enqueues (NCCL: a kernel on a
  * CUDA stream) sets done->wait and done->handle (a CUDA event), and the
  * engine calls wait(handle, deadline, err) before it publishes completion.
+ *
+ * [Note: device transports]
+ * A transport whose operations only enqueue device work sets `enqueues`.
+ * The engine then calls its operations on the issuing thread, in the
+ * stream's issue order, inside dptc_group_submit: the collective is ordered
+ * after the work the issuer's device stream (dptc_coll.device_stream) holds
+ * at that moment, never after work queued there later.  The progress thread
+ * only runs done->wait, which watches the completion against the deadline,
+ * the transport's asynchronous errors and abort.  A waiter that need not
+ * block the host asks for done->handle (dptc_work_device_completion) and
+ * makes its own stream wait on it.
  */
 #ifndef DPTC_TRANSPORT_H
 #define DPTC_TRANSPORT_H
@@ -33,6 +44,7 @@ typedef dptc_status (*dptc_collective_fn)(dptc_transport *t, const dptc_order *o
 
 struct dptc_transport_ops {
     const char *name;
+    int enqueues;                      /* see [Note: device transports] */
     dptc_status (*open)(const dptc_group_config *config, dptc_transport **out, dptc_error *err);
     dptc_collective_fn all_reduce;
     dptc_collective_fn reduce_scatter;

@@ -144,14 +144,15 @@ def cuda_version_text(code):
 
 
 def cuda_unsupported_reason():
-    """Why a CUDA tensor is refused today, once NCCL and the CUDA runtime loaded.
+    """Why a CUDA module is refused today by DistributedDataParallel, once NCCL and the CUDA
+    runtime loaded.
 
     Loads them first: raises dptc.CudaLibraryError when that fails, so the user learns what is
-    missing before anything else.  Called where a CUDA tensor first meets dptc (collectives,
-    DistributedDataParallel), never at import.
+    missing before anything else.  Called where a CUDA module first meets dptc, never at
+    import.
     """
     found = load()
     nccl, cudart = found["nccl"], found["cudart"]
     return (f"NCCL {nccl['version_text']} ({nccl['path']}) and the CUDA runtime "
-            f"{cudart['version_text']} ({cudart['path']}) were found, but dptc's NCCL transport "
-            f"is not built yet: dptc moves CPU tensors only for now")
+            f"{cudart['version_text']} ({cudart['path']}) were found; dptc's collectives move "
+            f"CUDA tensors through them, but its wrappers on CUDA modules are not built yet")

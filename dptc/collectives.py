@@ -5,10 +5,14 @@ counts and dtype codes; C asks each tensor for its data pointer and the bytes mo
 GIL released.  ``group`` is anything torch accepts (see group.resolve); on a rank outside the
 group a collective does nothing and returns None, as torch's do.
 With ``async_op=True`` the function returns a handle (``wait()``,
-``is_completed()``) that keeps the tensors alive until the work completes.
+``is_completed()``) that keeps the tensors alive until the work completes.  CUDA tensors go
+through the group's NCCL engine, ordered after the work of the current CUDA stream; there,
+``wait()`` and a blocking call make the current stream wait, not the host.
 While a torch profiler records, each call runs inside a named range (see [Note: profiler
 ranges] in _ranges.py).
 """
+
+import collections
 
 import torch
 import torch.distributed as dist
@@ -32,12 +36,10 @@ def _check_tensor(tensor, argname):
     if tensor.device.type == "cuda":
         # The first CUDA tensor loads NCCL and the CUDA runtime (dptc.CudaLibraryError names
         # what is missing); see [Note: loading NCCL and the CUDA runtime] in csrc/cudalib.h.
-        raise ValueError(f"{argname} is on device {tensor.device}: "
-                         f"{_cuda.cuda_unsupported_reason()}; move it with .cpu(), or use "
-                         f"torch.distributed's nccl backend for CUDA tensors")
-    if tensor.device.type != "cpu":
-        raise ValueError(f"{argname} is on device {tensor.device}, but dptc's engine moves CPU "
-                         f"tensors; move it with .cpu() (the GPU transport comes with NCCL)")
+        _cuda.load()
+    elif tensor.device.type != "cpu":
+        raise ValueError(f"{argname} is on device {tensor.device}, but dptc moves CPU tensors "
+                         f"(shared memory, gloo) and CUDA tensors (NCCL); move it with .cpu()")
     if tensor.layout != torch.strided:
         raise ValueError(f"{argname} has layout {tensor.layout}; dptc communicates dense "
                          f"tensors: use .to_dense()")
@@ -65,8 +67,15 @@ def _issue(pg, op, dtype, redop, input, output, count, root, async_op, stream):
         raise ValueError(f"stream must be an int in [0, {pg.num_streams}) (the group's "
                          f"num_streams; DPTC_STREAMS sets it), got {stream!r}")
     args = (op, dtype, redop, input, output, count, root, stream)
+    # One attribute read decides the transport on the CPU's hot path.
+    cuda = (input is not None and input.is_cuda) or (output is not input and _any_cuda(output))
+    issue = _issue_cuda if cuda else _issue_cpu
     if _profiler_flags._is_profiler_enabled:
-        return _issue_in_range(pg, args, async_op)
+        return _issue_in_range(issue, pg, args, async_op)
+    return issue(pg, args, async_op)
+
+
+def _issue_cpu(pg, args, async_op):
     if async_op:
         return pg._c.submit(*args)
     pg._c.run(*args)
@@ -78,13 +87,67 @@ def _issue(pg, op, dtype, redop, input, output, count, root, async_op, stream):
 _profiler_flags = _ranges.flags
 
 
-def _issue_in_range(pg, args, async_op):
+def _issue_in_range(issue, pg, args, async_op):
     """_issue while a profiler records: the collective inside its named range (a blocking call
-    to its completion, an async one its launch)."""
+    on CPU tensors to its completion; an async one, or one on CUDA tensors, its launch)."""
     with _ranges.Range(_ranges.COLLECTIVE_NAMES[args[0]]):
-        if async_op:
-            return pg._c.submit(*args)
-        pg._c.run(*args)
+        return issue(pg, args, async_op)
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA tensors: the group's NCCL engine (see [Note: the NCCL transport] in csrc/nccl.h)
+
+def _any_cuda(output):
+    if isinstance(output, torch.Tensor):
+        return output.is_cuda
+    return isinstance(output, (list, tuple)) and any(t.is_cuda for t in output)
+
+
+def _cuda_device(input, output):
+    """The one CUDA device of a collective's tensors; ValueError when they are not all on it."""
+    outputs = list(output) if isinstance(output, (list, tuple)) else [output]
+    devices = {t.device for t in [input, *outputs] if t is not None}
+    if len(devices) != 1:
+        raise ValueError(f"a collective's tensors must all be on one CUDA device, got "
+                         f"{sorted(str(d) for d in devices)}; move them with .to(device)")
+    return devices.pop()
+
+
+class CudaWork:
+    """The handle of a collective on CUDA tensors: ``wait()`` makes the current CUDA stream
+    wait for it without blocking the host, as torch's NCCL Work does."""
+
+    __slots__ = ("_c", "_device")
+
+    def __init__(self, work, device):
+        self._c, self._device = work, device
+
+    def wait(self, timeout=None):
+        return self._c.wait_stream(torch.cuda.current_stream(self._device))
+
+    def is_completed(self):
+        return self._c.is_completed()
+
+
+# Collectives issued blocking on CUDA tensors: their Works keep the tensors alive until the
+# device is done with them, without the host waiting (see _keep).
+_in_flight = collections.deque()
+
+
+def _keep(work):
+    while _in_flight and _in_flight[0].is_completed():
+        _in_flight.popleft()
+    _in_flight.append(work)
+
+
+def _issue_cuda(pg, args, async_op):
+    device = _cuda_device(args[3], args[4])
+    stream = torch.cuda.current_stream(device)
+    work = pg.device_engine(device).submit(*args, stream)
+    if async_op:
+        return CudaWork(work, device)
+    work.wait_stream(stream)
+    _keep(work)
     return None
 
 

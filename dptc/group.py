@@ -76,6 +76,7 @@ class ProcessGroup:
         self.timeout = timeout
         self.num_streams = num_streams
         self._c = engine
+        self._nccl = {}                # CUDA device index -> its NCCL engine, made on first use
         self.torch_group = torch_group
         self._store = store
         _groups.add(self)
@@ -107,13 +108,36 @@ class ProcessGroup:
             return torch.empty(0, dtype=dtype)
         return torch.frombuffer(buffer, dtype=dtype, count=numel)
 
+    def device_engine(self, device):
+        """The engine that moves this group's CUDA tensors on `device` through NCCL (see
+        [Note: the NCCL transport] in csrc/nccl.h), made on first use: collective, as every
+        member reaches its first collective on CUDA tensors in the same order.  Rank 0 makes
+        the communicator's unique id and the others read it from the group's store."""
+        index = torch.cuda.current_device() if device.index is None else device.index
+        engine = self._nccl.get(index)
+        if engine is not None:
+            return engine
+        from . import _cuda
+        _cuda.load()                   # dptc.CudaLibraryError names what is missing
+        key = f"nccl/{len(self._nccl)}"
+        if self.rank == 0:
+            self._store.set(key, _C.nccl_unique_id())
+        self._store.wait([key], datetime.timedelta(seconds=self.timeout))
+        engine = _C.Group(self.rank, self.size, self.rank, self.size, 0, 1, "", False, 1,
+                          self.timeout, self.num_streams, self.ranks,
+                          nccl_id=self._store.get(key), device=index)
+        self._nccl[index] = engine
+        return engine
+
     def abort(self, reason):
         """Fails this group here and on every peer (they raise at once)."""
-        if not self._c.closed:
-            self._c.abort(str(reason))
+        for engine in (self._c, *self._nccl.values()):
+            if not engine.closed:
+                engine.abort(str(reason))
 
     def close(self):
-        self._c.close()
+        for engine in (*self._nccl.values(), self._c):
+            engine.close()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,430 @@
+/* nccl.c — the NCCL transport; see [Note: the NCCL transport] in nccl.h.
+ * Every NCCL and CUDA call goes through the table cudalib.c loaded, and
+ * every result is checked and named in the error. */
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "nccl.h"
+#include "transport.h"
+
+/* Completion events per engine stream; see [Note: the NCCL transport]. */
+#define RING 64
+/* Polls of a completion before the progress thread starts to sleep, and
+ * the longest sleep between polls. */
+#define SPIN_POLLS 200
+#define MAX_SLEEP_S 0.0005
+
+/* Values of NCCL's public enums (nccl.h). */
+enum { NCCL_INT8 = 0, NCCL_UINT8 = 1, NCCL_INT32 = 2, NCCL_INT64 = 4, NCCL_FLOAT16 = 6,
+       NCCL_FLOAT32 = 7, NCCL_FLOAT64 = 8, NCCL_BFLOAT16 = 9 };
+enum { NCCL_SUM = 0, NCCL_PROD = 1, NCCL_MAX = 2, NCCL_MIN = 3, NCCL_AVG = 4 };
+
+typedef struct nccl_transport nccl_transport;
+
+/* What a collective leaves for the engine to wait on (dptc_completion's
+ * handle). */
+typedef struct {
+    nccl_transport *t;
+    int stream;
+    dptc_cuda_event event;
+} completion;
+
+struct nccl_transport {
+    dptc_transport base;
+    const dptc_cuda_api *api;
+    int rank, size, device, nstreams;
+    dptc_nccl_unique_id id;
+    dptc_cuda_stream streams[DPTC_MAX_STREAMS];
+    dptc_cuda_event ready[DPTC_MAX_STREAMS];      /* recorded on the issuer's stream */
+    completion done[DPTC_MAX_STREAMS][RING];
+    unsigned next[DPTC_MAX_STREAMS];              /* next ring slot; the issuing thread's */
+    int *scratch;                                 /* one int on the device, for barrier */
+    /* The communicator and the failure record.  lock orders NCCL calls
+     * against abort (after which comm is NULL). */
+    pthread_mutex_t lock;
+    dptc_nccl_comm comm;
+    _Atomic int aborted;
+    dptc_status abort_status;
+    dptc_error abort_err;
+};
+
+/* ------------------------------------------------------------------ */
+/* Results */
+
+static dptc_status cuda_failed(const dptc_cuda_api *api, dptc_cuda_error rc, const char *call,
+                               dptc_error *err)
+{
+    const char *text = api->cudaGetErrorString(rc);
+    return dptc_fail(err, DPTC_ERR_CUDA, "%s failed: %s (cudaError %d)", call,
+                     text ? text : "unknown error", rc);
+}
+
+static dptc_status nccl_failed(const dptc_cuda_api *api, dptc_nccl_result rc, const char *call,
+                               dptc_error *err)
+{
+    const char *text = api->ncclGetErrorString(rc);
+    return dptc_fail(err, DPTC_ERR_CUDA, "%s failed: %s (ncclResult %d)", call,
+                     text ? text : "unknown error", rc);
+}
+
+#define CUDA(t, call, err)                                                         \
+    do {                                                                           \
+        dptc_cuda_error cuda_rc_ = (t)->api->call;                                 \
+        if (cuda_rc_ != DPTC_CUDA_SUCCESS)                                         \
+            return cuda_failed((t)->api, cuda_rc_, #call, (err));                  \
+    } while (0)
+
+static dptc_status aborted_error(nccl_transport *t, dptc_error *err)
+{
+    pthread_mutex_lock(&t->lock);
+    dptc_status status = t->abort_status;
+    memcpy(err, &t->abort_err, sizeof *err);
+    pthread_mutex_unlock(&t->lock);
+    return status;
+}
+
+/* ------------------------------------------------------------------ */
+/* Types */
+
+static int nccl_dtype(dptc_dtype dtype)
+{
+    switch (dtype) {
+    case DPTC_FLOAT32: return NCCL_FLOAT32;
+    case DPTC_FLOAT64: return NCCL_FLOAT64;
+    case DPTC_BFLOAT16: return NCCL_BFLOAT16;
+    case DPTC_FLOAT16: return NCCL_FLOAT16;
+    case DPTC_INT32: return NCCL_INT32;
+    case DPTC_INT64: return NCCL_INT64;
+    case DPTC_UINT8: return NCCL_UINT8;
+    case DPTC_INT8: return NCCL_INT8;
+    case DPTC_BOOL: return NCCL_UINT8;
+    default: return -1;
+    }
+}
+
+/* NCCL's op for redop on dtype: bool's SUM is "any" (MAX on bytes 0/1) and
+ * its PRODUCT "all" (MIN), as the shared-memory transport reduces them. */
+static int nccl_redop(dptc_redop redop, dptc_dtype dtype)
+{
+    int boolean = dtype == DPTC_BOOL;
+    switch (redop) {
+    case DPTC_SUM: return boolean ? NCCL_MAX : NCCL_SUM;
+    case DPTC_AVG: return boolean ? -1 : NCCL_AVG;
+    case DPTC_MAX: return NCCL_MAX;
+    case DPTC_MIN: return NCCL_MIN;
+    case DPTC_PRODUCT: return boolean ? NCCL_MIN : NCCL_PROD;
+    default: return -1;
+    }
+}
+
+/* ------------------------------------------------------------------ */
+/* Completions */
+
+static void sleep_seconds(double s)
+{
+    struct timespec ts = {0, (long)(s * 1e9)};
+    nanosleep(&ts, NULL);
+}
+
+/* done->wait: polls the completion event until it has happened, the
+ * deadline passes, NCCL reports an asynchronous error or the transport is
+ * aborted.  On the progress thread; never on the issuing path. */
+static dptc_status completion_wait(void *handle, double deadline, dptc_error *err)
+{
+    completion *c = handle;
+    nccl_transport *t = c->t;
+    const dptc_cuda_api *api = t->api;
+    double pause = 0.00001;
+    for (unsigned polls = 0;; polls++) {
+        dptc_cuda_error rc = api->cudaEventQuery(c->event);
+        if (rc == DPTC_CUDA_SUCCESS)
+            return DPTC_OK;
+        if (rc != DPTC_CUDA_ERROR_NOT_READY)
+            return cuda_failed(api, rc, "cudaEventQuery", err);
+        if (atomic_load(&t->aborted))
+            return aborted_error(t, err);
+        if (polls < SPIN_POLLS) {
+            dptc_cpu_relax();
+            continue;
+        }
+        dptc_nccl_result async = DPTC_NCCL_SUCCESS, result = DPTC_NCCL_SUCCESS;
+        pthread_mutex_lock(&t->lock);
+        if (t->comm)
+            result = api->ncclCommGetAsyncError(t->comm, &async);
+        pthread_mutex_unlock(&t->lock);
+        if (result != DPTC_NCCL_SUCCESS)
+            return nccl_failed(api, result, "ncclCommGetAsyncError", err);
+        if (async != DPTC_NCCL_SUCCESS && async != DPTC_NCCL_IN_PROGRESS) {
+            const char *text = api->ncclGetErrorString(async);
+            return dptc_fail(err, DPTC_ERR_CUDA, "rank %d: NCCL reported an asynchronous error "
+                             "on stream %d: %s (ncclResult %d)", t->rank, c->stream,
+                             text ? text : "unknown error", async);
+        }
+        if (dptc_now() > deadline)
+            return dptc_fail(err, DPTC_ERR_TIMEOUT, "rank %d: a NCCL collective on stream %d "
+                             "did not complete by its deadline (a peer did not join it, or the "
+                             "device work it follows is stuck)", t->rank, c->stream);
+        sleep_seconds(pause);
+        pause = pause * 2 < MAX_SLEEP_S ? pause * 2 : MAX_SLEEP_S;
+    }
+}
+
+dptc_status dptc_nccl_stream_wait(void *handle, void *stream, dptc_error *err)
+{
+    completion *c = handle;
+    CUDA(c->t, cudaStreamWaitEvent((dptc_cuda_stream)stream, c->event, 0), err);
+    return DPTC_OK;
+}
+
+/* ------------------------------------------------------------------ */
+/* Issuing; see [Note: device transports] in transport.h */
+
+/* Orders the engine stream's CUDA stream after the issuer's stream.
+ * t->lock held. */
+static dptc_status begin(nccl_transport *t, const dptc_order *order, const dptc_coll *c,
+                         dptc_error *err)
+{
+    if (!t->comm) {  /* aborted */
+        memcpy(err, &t->abort_err, sizeof *err);
+        return t->abort_status;
+    }
+    CUDA(t, cudaSetDevice(t->device), err);
+    CUDA(t, cudaEventRecord(t->ready[order->stream], (dptc_cuda_stream)c->device_stream), err);
+    CUDA(t, cudaStreamWaitEvent(t->streams[order->stream], t->ready[order->stream], 0), err);
+    return DPTC_OK;
+}
+
+/* Records the collective's completion after what begin..end enqueued.
+ * t->lock held. */
+static dptc_status end(nccl_transport *t, const dptc_order *order, dptc_completion *done,
+                       dptc_error *err)
+{
+    int s = order->stream;
+    completion *slot = &t->done[s][t->next[s]++ % RING];
+    CUDA(t, cudaEventRecord(slot->event, t->streams[s]), err);
+    done->wait = completion_wait;
+    done->handle = slot;
+    return DPTC_OK;
+}
+
+/* One collective: begin, the NCCL call(s) of `body`, end; under t->lock. */
+typedef dptc_status (*enqueue_fn)(nccl_transport *t, const dptc_coll *c, dptc_cuda_stream stream,
+                                  int dtype, int redop, dptc_error *err);
+
+static dptc_status collective(dptc_transport *base, const dptc_order *order, const dptc_coll *c,
+                              dptc_completion *done, enqueue_fn body, dptc_error *err)
+{
+    nccl_transport *t = (nccl_transport *)base;
+    int dtype = nccl_dtype(c->dtype);
+    int redop = nccl_redop(c->redop, c->dtype);
+    if (dtype < 0 || ((c->op == DPTC_OP_ALL_REDUCE || c->op == DPTC_OP_REDUCE_SCATTER) &&
+                      redop < 0))
+        return dptc_fail(err, DPTC_ERR_INVALID, "NCCL cannot %s %s with %s", dptc_op_name(c->op),
+                         dptc_dtype_name(c->dtype), dptc_redop_name(c->redop));
+    pthread_mutex_lock(&t->lock);
+    dptc_status status = begin(t, order, c, err);
+    if (status == DPTC_OK)
+        status = body(t, c, t->streams[order->stream], dtype, redop, err);
+    if (status == DPTC_OK)
+        status = end(t, order, done, err);
+    pthread_mutex_unlock(&t->lock);
+    return status;
+}
+
+#define NCCL(t, call, err)                                                         \
+    do {                                                                           \
+        dptc_nccl_result nccl_rc_ = (t)->api->call;                                \
+        if (nccl_rc_ != DPTC_NCCL_SUCCESS)                                         \
+            return nccl_failed((t)->api, nccl_rc_, #call, (err));                  \
+    } while (0)
+
+static dptc_status enqueue_all_reduce(nccl_transport *t, const dptc_coll *c,
+                                      dptc_cuda_stream stream, int dtype, int redop,
+                                      dptc_error *err)
+{
+    NCCL(t, ncclAllReduce(c->input, c->output, c->count, dtype, redop, t->comm, stream), err);
+    return DPTC_OK;
+}
+
+static dptc_status enqueue_reduce_scatter(nccl_transport *t, const dptc_coll *c,
+                                          dptc_cuda_stream stream, int dtype, int redop,
+                                          dptc_error *err)
+{
+    NCCL(t, ncclReduceScatter(c->input, c->output, c->count, dtype, redop, t->comm, stream),
+         err);
+    return DPTC_OK;
+}
+
+/* The several-output form gathers each piece straight into its output:
+ * rank r's piece j lands at outputs[j] + r * output_counts[j]. */
+static dptc_status enqueue_all_gather(nccl_transport *t, const dptc_coll *c,
+                                      dptc_cuda_stream stream, int dtype, int redop,
+                                      dptc_error *err)
+{
+    (void)redop;
+    if (c->noutputs == 0) {
+        NCCL(t, ncclAllGather(c->input, c->output, c->count, dtype, t->comm, stream), err);
+        return DPTC_OK;
+    }
+    NCCL(t, ncclGroupStart(), err);
+    dptc_status status = DPTC_OK;
+    size_t offset = 0, element = dptc_dtype_size(c->dtype);
+    for (int j = 0; j < c->noutputs && status == DPTC_OK; j++) {
+        dptc_nccl_result rc = t->api->ncclAllGather((const char *)c->input + offset * element,
+                                                    c->outputs[j], c->output_counts[j], dtype,
+                                                    t->comm, stream);
+        if (rc != DPTC_NCCL_SUCCESS)
+            status = nccl_failed(t->api, rc, "ncclAllGather", err);
+        offset += c->output_counts[j];
+    }
+    dptc_nccl_result rc = t->api->ncclGroupEnd();
+    if (status == DPTC_OK && rc != DPTC_NCCL_SUCCESS)
+        status = nccl_failed(t->api, rc, "ncclGroupEnd", err);
+    return status;
+}
+
+static dptc_status enqueue_broadcast(nccl_transport *t, const dptc_coll *c,
+                                     dptc_cuda_stream stream, int dtype, int redop,
+                                     dptc_error *err)
+{
+    (void)redop;
+    NCCL(t, ncclBroadcast(c->input, c->output, c->count, dtype, c->root, t->comm, stream), err);
+    return DPTC_OK;
+}
+
+static dptc_status enqueue_barrier(nccl_transport *t, const dptc_coll *c,
+                                   dptc_cuda_stream stream, int dtype, int redop,
+                                   dptc_error *err)
+{
+    (void)c, (void)dtype, (void)redop;
+    NCCL(t, ncclAllReduce(t->scratch, t->scratch, 1, NCCL_INT32, NCCL_SUM, t->comm, stream),
+         err);
+    return DPTC_OK;
+}
+
+#define COLLECTIVE(name)                                                                 \
+    static dptc_status nccl_##name(dptc_transport *t, const dptc_order *order,           \
+                                   const dptc_coll *c, dptc_completion *done,            \
+                                   dptc_error *err)                                      \
+    {                                                                                    \
+        return collective(t, order, c, done, enqueue_##name, err);                       \
+    }
+
+COLLECTIVE(all_reduce)
+COLLECTIVE(reduce_scatter)
+COLLECTIVE(all_gather)
+COLLECTIVE(broadcast)
+COLLECTIVE(barrier)
+
+/* ------------------------------------------------------------------ */
+/* Life cycle */
+
+static void nccl_abort(dptc_transport *base, dptc_status status, const char *reason)
+{
+    nccl_transport *t = (nccl_transport *)base;
+    pthread_mutex_lock(&t->lock);
+    if (!atomic_load(&t->aborted)) {
+        t->abort_status = status;
+        dptc_fail(&t->abort_err, status, "%s", reason);
+        atomic_store(&t->aborted, 1);
+        if (t->comm)
+            t->api->ncclCommAbort(t->comm);  /* stops its kernels; nothing to report */
+        t->comm = NULL;
+    }
+    pthread_mutex_unlock(&t->lock);
+}
+
+/* Frees what open made; t->comm is already destroyed or aborted. */
+static void release(nccl_transport *t)
+{
+    const dptc_cuda_api *api = t->api;
+    api->cudaSetDevice(t->device);
+    for (int s = 0; s < t->nstreams; s++) {
+        for (int k = 0; k < RING; k++)
+            if (t->done[s][k].event)
+                api->cudaEventDestroy(t->done[s][k].event);
+        if (t->ready[s])
+            api->cudaEventDestroy(t->ready[s]);
+        if (t->streams[s])
+            api->cudaStreamDestroy(t->streams[s]);
+    }
+    if (t->scratch)
+        api->cudaFree(t->scratch);
+    pthread_mutex_destroy(&t->lock);
+    free(t);
+}
+
+static void nccl_destroy(dptc_transport *base)
+{
+    nccl_transport *t = (nccl_transport *)base;
+    /* The engine completed every collective first (dptc_group_destroy). */
+    if (t->comm)
+        t->api->ncclCommDestroy(t->comm);
+    t->comm = NULL;
+    release(t);
+}
+
+static dptc_status open_resources(nccl_transport *t, dptc_error *err)
+{
+    CUDA(t, cudaSetDevice(t->device), err);
+    for (int s = 0; s < t->nstreams; s++) {
+        CUDA(t, cudaStreamCreateWithPriority(&t->streams[s], DPTC_CUDA_STREAM_NON_BLOCKING, 0),
+             err);
+        CUDA(t, cudaEventCreateWithFlags(&t->ready[s], DPTC_CUDA_EVENT_DISABLE_TIMING), err);
+        for (int k = 0; k < RING; k++) {
+            t->done[s][k].t = t;
+            t->done[s][k].stream = s;
+            CUDA(t, cudaEventCreateWithFlags(&t->done[s][k].event,
+                                             DPTC_CUDA_EVENT_DISABLE_TIMING), err);
+        }
+    }
+    void *scratch = NULL;
+    CUDA(t, cudaMalloc(&scratch, sizeof(int)), err);
+    t->scratch = scratch;
+    /* Blocks until every member has joined (NCCL's own bootstrap). */
+    NCCL(t, ncclCommInitRank(&t->comm, t->size, t->id, t->rank), err);
+    return DPTC_OK;
+}
+
+static dptc_status nccl_open(const dptc_group_config *cfg, dptc_transport **out, dptc_error *err)
+{
+    const dptc_nccl_config *nc = cfg->transport_arg;
+    if (!nc || !nc->api)
+        return dptc_fail(err, DPTC_ERR_INVALID, "the NCCL transport needs its configuration "
+                                                "(dptc_nccl_config with the loaded library)");
+    nccl_transport *t = calloc(1, sizeof *t);
+    if (!t)
+        return dptc_fail(err, DPTC_ERR_NOMEM, "out of memory opening the NCCL transport");
+    t->base.ops = &dptc_nccl_transport;
+    t->api = nc->api;
+    t->rank = cfg->rank;
+    t->size = cfg->size;
+    t->device = nc->device;
+    t->id = nc->id;
+    t->nstreams = cfg->nstreams;
+    pthread_mutex_init(&t->lock, NULL);
+    dptc_status status = open_resources(t, err);
+    if (status != DPTC_OK) {
+        release(t);
+        return status;
+    }
+    *out = &t->base;
+    return DPTC_OK;
+}
+
+const dptc_transport_ops dptc_nccl_transport = {
+    .name = "nccl",
+    .enqueues = 1,
+    .open = nccl_open,
+    .all_reduce = nccl_all_reduce,
+    .reduce_scatter = nccl_reduce_scatter,
+    .all_gather = nccl_all_gather,
+    .broadcast = nccl_broadcast,
+    .barrier = nccl_barrier,
+    .abort = nccl_abort,
+    .destroy = nccl_destroy,
+};

@@ -1,0 +1,123 @@
+/* fake_cuda.c — a stand-in for NCCL and the CUDA runtime, for testing the
+ * NCCL transport (csrc/nccl.c) on a machine without a GPU.  One library
+ * serves as both (tests/test_nccl_transport.py points DPTC_NCCL_LIBRARY and
+ * DPTC_CUDART_LIBRARY at it).
+ *
+ * "Device" memory is host memory and every stream runs its work at once, so
+ * a communicator of one rank copies its input to its output.  Events
+ * complete at once unless the test asks them to hang; the test reads what
+ * the transport called through the fake_* functions (ctypes loads the same
+ * file, so it shares these globals). */
+#include <stdlib.h>
+#include <string.h>
+
+static int hang;            /* events recorded from now on never complete */
+static int async_error;     /* what ncclCommGetAsyncError reports */
+static long calls_stream_wait, calls_abort, calls_destroy, calls_init;
+static void *recorded_on[2];   /* the streams of the last two event records, newest first */
+
+typedef struct { int pending; } event;
+
+void fake_set_hang(int on) { hang = on; }
+void fake_set_async_error(int result) { async_error = result; }
+long fake_stream_waits(void) { return calls_stream_wait; }
+long fake_aborts(void) { return calls_abort; }
+long fake_destroys(void) { return calls_destroy; }
+long fake_inits(void) { return calls_init; }
+void *fake_recorded_stream(int back) { return back >= 0 && back < 2 ? recorded_on[back] : NULL; }
+
+/* ---- CUDA runtime ---- */
+int cudaGetDeviceCount(int *n) { *n = 1; return 0; }
+int cudaGetDevice(int *d) { *d = 0; return 0; }
+int cudaSetDevice(int d) { return d == 0 ? 0 : 101; /* cudaErrorInvalidDevice */ }
+int cudaStreamCreateWithPriority(void **s, unsigned flags, int priority)
+{
+    (void)flags, (void)priority;
+    *s = malloc(1);
+    return *s ? 0 : 2;
+}
+int cudaStreamDestroy(void *s) { free(s); return 0; }
+int cudaEventCreateWithFlags(void **e, unsigned flags)
+{
+    (void)flags;
+    *e = calloc(1, sizeof(event));
+    return *e ? 0 : 2;
+}
+int cudaEventRecord(void *e, void *stream)
+{
+    ((event *)e)->pending = hang;
+    recorded_on[1] = recorded_on[0];
+    recorded_on[0] = stream;
+    return 0;
+}
+int cudaEventQuery(void *e) { return ((event *)e)->pending ? 600 : 0; }
+int cudaEventSynchronize(void *e) { (void)e; return 0; }
+int cudaStreamWaitEvent(void *s, void *e, unsigned flags)
+{
+    (void)s, (void)e, (void)flags;
+    calls_stream_wait++;
+    return 0;
+}
+int cudaEventDestroy(void *e) { free(e); return 0; }
+const char *cudaGetErrorString(int e) { return e ? "fake CUDA error" : "no error"; }
+int cudaMalloc(void **p, size_t bytes) { *p = calloc(1, bytes ? bytes : 1); return *p ? 0 : 2; }
+int cudaFree(void *p) { free(p); return 0; }
+int cudaRuntimeGetVersion(int *v) { *v = 12080; return 0; }
+int cudaDriverGetVersion(int *v) { *v = 12090; return 0; }
+
+/* ---- NCCL, one rank ---- */
+typedef struct { char internal[128]; } unique_id;
+
+static size_t element_size(int dtype)
+{
+    static const size_t sizes[] = {1, 1, 4, 4, 8, 8, 2, 4, 8, 2};
+    return dtype >= 0 && dtype < 10 ? sizes[dtype] : 0;
+}
+
+static int copy(const void *send, void *recv, size_t count, int dtype)
+{
+    size_t size = element_size(dtype);
+    if (!size)
+        return 4; /* ncclInvalidArgument */
+    if (send != recv)
+        memmove(recv, send, count * size);
+    return 0;
+}
+
+int ncclGetVersion(int *v) { *v = 22703; return 0; }
+int ncclGetUniqueId(unique_id *id) { memset(id->internal, 'F', sizeof id->internal); return 0; }
+int ncclCommInitRank(void **comm, int nranks, unique_id id, int rank)
+{
+    calls_init++;
+    if (nranks != 1 || rank != 0 || id.internal[0] != 'F')
+        return 5; /* ncclInvalidUsage: the fake has one rank */
+    *comm = malloc(1);
+    return *comm ? 0 : 2;
+}
+int ncclCommAbort(void *comm) { calls_abort++; free(comm); return 0; }
+int ncclCommDestroy(void *comm) { calls_destroy++; free(comm); return 0; }
+int ncclCommGetAsyncError(void *comm, int *result) { (void)comm; *result = async_error; return 0; }
+int ncclAllReduce(const void *s, void *r, size_t n, int dt, int op, void *c, void *st)
+{
+    (void)op, (void)c, (void)st;
+    return copy(s, r, n, dt);
+}
+int ncclReduceScatter(const void *s, void *r, size_t n, int dt, int op, void *c, void *st)
+{
+    (void)op, (void)c, (void)st;
+    return copy(s, r, n, dt);
+}
+int ncclAllGather(const void *s, void *r, size_t n, int dt, void *c, void *st)
+{
+    (void)c, (void)st;
+    return copy(s, r, n, dt);
+}
+int ncclBroadcast(const void *s, void *r, size_t n, int dt, int root, void *c, void *st)
+{
+    (void)c, (void)st;
+    return root == 0 ? copy(s, r, n, dt) : 4;
+}
+int ncclGroupStart(void) { return 0; }
+int ncclGroupEnd(void) { return 0; }
+const char *ncclGetErrorString(int r) { return r == 6 ? "remote process exited or there was a "
+                                                        "network error" : "fake NCCL error"; }

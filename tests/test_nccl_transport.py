@@ -1,0 +1,182 @@
+"""The NCCL transport (csrc/nccl.c) against a stand-in for NCCL and the CUDA runtime.
+
+Layer: one process per test, world size 1, no GPU.  tests/c/fake_cuda.c plays both libraries:
+device memory is host memory, a one-rank communicator copies input to output, and events
+complete at once unless the test makes them hang.  The test drives the engine's Group with
+transport "nccl" directly (CPU tensors stand in for device memory, an object with
+`cuda_stream` for a torch.cuda.Stream) and reads through ctypes what the transport asked of the
+libraries.  What needs a real GPU (kernels, several ranks, torch's CUDA streams) is
+benchmarks/gpu_check.py's.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests._launch import REPO_ROOT
+
+TIMEOUT_S = 90
+FAKE_SOURCE = REPO_ROOT / "tests" / "c" / "fake_cuda.c"
+
+PRELUDE = """
+    import ctypes, json, os, time, torch
+    from dptc import _C, _cuda
+    from dptc._dtypes import OP_ALL_REDUCE, OP_ALL_GATHER, OP_BROADCAST, OP_REDUCE_SCATTER
+    from dptc._dtypes import OP_BARRIER, dtype_code
+    fake = ctypes.CDLL(os.environ["DPTC_NCCL_LIBRARY"])
+    fake.fake_recorded_stream.restype = ctypes.c_void_p
+    _cuda.load()
+
+    class Stream:                      # what torch.cuda.Stream offers dptc
+        def __init__(self, handle):
+            self.cuda_stream = handle
+
+    def group(timeout=5.0, streams=2):
+        return _C.Group(0, 1, 0, 1, 0, 1, "", False, 1, timeout, streams, [0],
+                        nccl_id=_C.nccl_unique_id(), device=0)
+
+    def error(call):
+        try:
+            call()
+        except Exception as caught:
+            return [type(caught).__name__, str(caught)]
+        return None
+"""
+
+
+@pytest.fixture(scope="module")
+def fake(tmp_path_factory):
+    compiler = next((shutil.which(n) for n in (os.environ.get("CC"), "cc", "gcc", "clang")
+                     if n and shutil.which(n)), None)
+    if compiler is None:
+        pytest.skip("no C compiler found; install gcc or set CC to build tests/c/fake_cuda.c")
+    library = tmp_path_factory.mktemp("fake-cuda") / "libfakecuda.so"
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    done = subprocess.run([compiler, "-shared", "-fPIC", "-O1", "-o", str(library),
+                           str(FAKE_SOURCE)], capture_output=True, text=True, env=env,
+                          timeout=TIMEOUT_S)
+    assert done.returncode == 0, done.stderr
+    return str(library)
+
+
+def _run(fake, code):
+    env = dict(os.environ, DPTC_NCCL_LIBRARY=fake, DPTC_CUDART_LIBRARY=fake,
+               PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(PRELUDE) + textwrap.dedent(code)],
+                          cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                          timeout=TIMEOUT_S)
+    assert done.returncode == 0, f"child failed ({done.returncode}):\n{done.stdout}\n{done.stderr}"
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_collectives_issue_in_order_after_the_callers_stream(fake):
+    """Every collective of a one-rank communicator moves its bytes; each is ordered after the
+    issuer's stream (an event recorded there, waited on by the engine stream's CUDA stream);
+    wait_stream makes the caller's stream wait without blocking the host; and closing the
+    group destroys the communicator (not abort)."""
+    result = _run(fake, """
+        g = group()
+        f32 = dtype_code(torch.float32)
+        caller = Stream(4321)
+        x = torch.arange(6.0)
+        out = torch.zeros(6)
+        w = g.submit(OP_ALL_REDUCE, f32, 0, x, out, 6, 0, 0, caller)
+        # The event before the completion's: the one on the issuer's stream.
+        recorded_on = fake.fake_recorded_stream(1)
+        waits_after_issue = fake.fake_stream_waits()
+        w.wait_stream(caller)
+        waits_after_wait_stream = fake.fake_stream_waits()
+        w.wait()
+        pieces = torch.arange(5.0)            # two outputs: 2 and 3 elements per rank
+        first, second = torch.zeros(2), torch.zeros(3)
+        g.submit(OP_ALL_GATHER, f32, 0, pieces, [first, second], 5, 0, 1, caller).wait()
+        gathered = torch.zeros(4)
+        g.submit(OP_ALL_GATHER, f32, 0, torch.ones(4), gathered, 4, 0, 0, None).wait()
+        cast = torch.zeros(3, dtype=torch.int64)
+        g.submit(OP_REDUCE_SCATTER, dtype_code(torch.int64), 0, torch.arange(3), cast, 3, 0, 1,
+                 None).wait()
+        b = torch.full((3,), 7, dtype=torch.bfloat16)
+        g.submit(OP_BROADCAST, dtype_code(torch.bfloat16), 0, b, b, 3, 0, 0, None).wait()
+        g.submit(OP_BARRIER, f32, 0, None, None, 0, 0, 0, None).wait()
+        share = error(lambda: g.share(64))
+        g.close()
+        print(json.dumps({
+            "out": out.tolist(), "recorded_on": recorded_on,
+            "waits_after_issue": waits_after_issue,
+            "waits_after_wait_stream": waits_after_wait_stream,
+            "first": first.tolist(), "second": second.tolist(), "gathered": gathered.tolist(),
+            "cast": cast.tolist(), "b": b.float().tolist(),
+            "inits": fake.fake_inits(), "destroys": fake.fake_destroys(),
+            "aborts": fake.fake_aborts(), "transports": list(_C.transports),
+            "share": share,
+        }))
+    """)
+    assert result["out"] == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    assert result["recorded_on"] == 4321
+    assert result["waits_after_issue"] == 1          # the engine's stream waits on the caller's
+    # wait_stream adds one wait, unless the (fake) device had finished already.
+    assert result["waits_after_wait_stream"] in (1, 2)
+    assert result["first"] == [0.0, 1.0] and result["second"] == [2.0, 3.0, 4.0]
+    assert result["gathered"] == [1.0] * 4
+    assert result["cast"] == [0, 1, 2]
+    assert result["b"] == [7.0] * 3
+    assert (result["inits"], result["destroys"], result["aborts"]) == (1, 1, 0)
+    assert "nccl" in result["transports"]
+    assert result["share"] is not None and result["share"][0] == "TypeError"
+
+
+def test_stuck_collective_times_out_and_aborts(fake):
+    """A collective whose completion never comes: wait_stream still returns at once (the host
+    does not wait), the progress thread fails it at its deadline (DistTimeoutError after the
+    group's 1 s timeout, not a hang), the communicator is aborted, and later collectives
+    raise the same failure at once."""
+    result = _run(fake, """
+        g = group(timeout=1.0)
+        f32 = dtype_code(torch.float32)
+        x = torch.ones(4)
+        fake.fake_set_hang(1)
+        started = time.monotonic()
+        w = g.submit(OP_ALL_REDUCE, f32, 0, x, x, 4, 0, 0, None)
+        w.wait_stream(None)
+        wait_stream_s = time.monotonic() - started
+        failure = error(lambda: w.wait())
+        waited_s = time.monotonic() - started
+        fake.fake_set_hang(0)
+        later = error(lambda: g.submit(OP_ALL_REDUCE, f32, 0, x, x, 4, 0, 0, None).wait())
+        aborts = fake.fake_aborts()
+        g.close()
+        print(json.dumps({"wait_stream_s": wait_stream_s, "failure": failure,
+                          "waited_s": waited_s, "later": later, "aborts": aborts,
+                          "destroys": fake.fake_destroys()}))
+    """)
+    assert result["wait_stream_s"] < 0.5, result
+    assert result["failure"][0] == "DistTimeoutError", result
+    assert "did not complete by its deadline" in result["failure"][1], result
+    assert 0.9 <= result["waited_s"] < 3.0, result
+    assert result["later"][0] == "DistTimeoutError", result
+    assert result["aborts"] == 1 and result["destroys"] == 0, result
+
+
+def test_asynchronous_nccl_error_raises(fake):
+    """NCCL reporting an asynchronous error (ncclRemoteError) while a collective is pending
+    fails it well before its deadline, naming the error, and aborts the communicator."""
+    result = _run(fake, """
+        g = group(timeout=30.0)
+        x = torch.ones(4)
+        fake.fake_set_hang(1)
+        w = g.submit(OP_ALL_REDUCE, dtype_code(torch.float32), 0, x, x, 4, 0, 0, None)
+        started = time.monotonic()
+        fake.fake_set_async_error(6)
+        failure = error(lambda: w.wait())
+        print(json.dumps({"failure": failure, "waited_s": time.monotonic() - started,
+                          "aborts": fake.fake_aborts()}))
+    """)
+    assert result["failure"][0] == "DistError", result
+    assert "asynchronous error" in result["failure"][1], result
+    assert "remote process exited" in result["failure"][1], result
+    assert result["waited_s"] < 5.0 and result["aborts"] == 1, result
