@@ -175,7 +175,73 @@ typedef struct {
     GroupObject *group;   /* strong */
     PyObject *keepalive;  /* tensors the work reads or writes */
     double timeout_s;
+    void *device_stream;  /* NCCL: the CUDA stream it was issued after */
 } WorkObject;
+
+/* [Note: dropped device work]
+ * A NCCL collective's Work may be dropped while the device still runs it
+ * (a blocking collective, or fully_shard's gathers, drop theirs as soon as
+ * the current stream waits on them).  Its tensors must outlive the device
+ * work, but waiting for it would block the host.  So the work and its
+ * tensors go to the module's retired list, and each later NCCL submission
+ * releases those the progress thread has since seen complete.  At module
+ * teardown the rest are waited for. */
+struct dptc_retired {
+    dptc_work *work;
+    PyObject *keepalive;
+};
+
+/* Releases the retired works that have completed.  GIL held. */
+static void retired_prune(dptc_module_state *st)
+{
+    size_t kept = 0;
+    for (size_t i = 0; i < st->nretired; i++) {
+        struct dptc_retired *r = &st->retired[i];
+        if (dptc_work_is_completed(r->work)) {
+            dptc_work_release(r->work);
+            Py_XDECREF(r->keepalive);
+        } else {
+            st->retired[kept++] = *r;
+        }
+    }
+    st->nretired = kept;
+}
+
+/* Takes over w and keepalive (see [Note: dropped device work]); 0, or -1
+ * when there is no memory for them (nothing taken).  GIL held. */
+static int retired_add(dptc_module_state *st, dptc_work *w, PyObject *keepalive)
+{
+    retired_prune(st);
+    if (st->nretired == st->retired_capacity) {
+        size_t capacity = st->retired_capacity ? 2 * st->retired_capacity : 64;
+        struct dptc_retired *grown = PyMem_Realloc(st->retired, capacity * sizeof *grown);
+        if (!grown)
+            return -1;
+        st->retired = grown;
+        st->retired_capacity = capacity;
+    }
+    st->retired[st->nretired++] = (struct dptc_retired){w, keepalive};
+    return 0;
+}
+
+/* Waits for every retired work (each within its group's deadlines) and
+ * releases them: module teardown. */
+static void retired_clear(dptc_module_state *st)
+{
+    for (size_t i = 0; i < st->nretired; i++) {
+        struct dptc_retired *r = &st->retired[i];
+        Py_BEGIN_ALLOW_THREADS
+        dptc_work_wait(r->work, 600.0, NULL);
+        Py_END_ALLOW_THREADS
+        if (!dptc_work_is_completed(r->work))
+            dptc_leak(r->keepalive);
+        dptc_work_release(r->work);
+        Py_XDECREF(r->keepalive);
+    }
+    PyMem_Free(st->retired);
+    st->retired = NULL;
+    st->nretired = st->retired_capacity = 0;
+}
 
 /* Creates a Work around w (steals the reference to w) keeping `keepalive`
  * alive until the work has completed.  Returns a new reference. */
@@ -197,15 +263,18 @@ static PyObject *work_new(dptc_module_state *st, GroupObject *group, dptc_work *
     self->group = (GroupObject *)Py_NewRef((PyObject *)group);
     self->keepalive = Py_XNewRef(keepalive);
     self->timeout_s = timeout_s;
+    self->device_stream = NULL;
     PyObject_GC_Track(self);
     return (PyObject *)self;
 }
 
-static PyObject *work_wait(WorkObject *self, PyObject *args, PyObject *kwargs)
+/* synchronize(timeout=None): blocks the host until the collective has
+ * completed (the only wait of a shared-memory collective). */
+static PyObject *work_synchronize(WorkObject *self, PyObject *args, PyObject *kwargs)
 {
     static char *keywords[] = {"timeout", NULL};
     PyObject *timeout = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|O:wait", keywords, &timeout))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|O:synchronize", keywords, &timeout))
         return NULL;
     double seconds = self->timeout_s;
     if (timeout != Py_None) {
@@ -235,9 +304,7 @@ static PyObject *work_wait(WorkObject *self, PyObject *args, PyObject *kwargs)
     Py_RETURN_TRUE;
 }
 
-/* A CUDA stream's handle from an object with `cuda_stream` (torch.cuda.Stream);
- * None is the legacy default stream.  0, or -1 with an exception. */
-static int cuda_stream_handle(PyObject *stream, void **out)
+int dptc_cuda_stream_handle(PyObject *stream, void **out)
 {
     *out = NULL;
     if (stream == Py_None)
@@ -265,7 +332,7 @@ static PyObject *work_wait_stream(WorkObject *self, PyObject *stream)
         return NULL;
     }
     void *handle;
-    if (cuda_stream_handle(stream, &handle) < 0)
+    if (dptc_cuda_stream_handle(stream, &handle) < 0)
         return NULL;
     dptc_error err;
     dptc_status status = DPTC_OK;
@@ -274,6 +341,26 @@ static PyObject *work_wait_stream(WorkObject *self, PyObject *stream)
         status = dptc_nccl_stream_wait(completion, handle, &err);
     else if (dptc_work_is_completed(self->work))
         status = dptc_work_wait(self->work, 0, &err);
+    if (status != DPTC_OK)
+        return group_raise(self->group, dptc_state_from_type(Py_TYPE(self)), status, &err);
+    Py_RETURN_TRUE;
+}
+
+/* wait(timeout=None): a shared-memory collective's synchronize; a NCCL
+ * collective's makes the stream it was issued after wait for it, without
+ * blocking the host (as torch's NCCL Work.wait()), and raises its failure
+ * when it has already failed. */
+static PyObject *work_wait(WorkObject *self, PyObject *args, PyObject *kwargs)
+{
+    void *completion = self->group->shm ? NULL : dptc_work_device_completion(self->work);
+    if (!completion)
+        return work_synchronize(self, args, kwargs);
+    static char *keywords[] = {"timeout", NULL};
+    PyObject *timeout = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|O:wait", keywords, &timeout))
+        return NULL;
+    dptc_error err;
+    dptc_status status = dptc_nccl_stream_wait(completion, self->device_stream, &err);
     if (status != DPTC_OK)
         return group_raise(self->group, dptc_state_from_type(Py_TYPE(self)), status, &err);
     Py_RETURN_TRUE;
@@ -307,6 +394,11 @@ static void work_dealloc(WorkObject *self)
 {
     PyTypeObject *type = Py_TYPE(self);
     PyObject_GC_UnTrack(self);
+    if (self->work && self->group && !self->group->shm && !dptc_work_is_completed(self->work) &&
+        retired_add(dptc_state_from_type(type), self->work, self->keepalive) == 0) {
+        self->work = NULL;        /* see [Note: dropped device work] */
+        self->keepalive = NULL;
+    }
     /* The engine may still write into the tensors we keep alive: wait;
      * dptc_work_wait aborts the group if it has to give up. */
     if (self->work && !dptc_work_is_completed(self->work)) {
@@ -325,7 +417,11 @@ static void work_dealloc(WorkObject *self)
 
 static PyMethodDef work_methods[] = {
     {"wait", (PyCFunction)(void (*)(void))work_wait, METH_VARARGS | METH_KEYWORDS,
-     "wait(timeout=None) -> True\n\nBlocks until the collective completes; raises its error."},
+     "wait(timeout=None) -> True\n\nBlocks until the collective completes; raises its error.  "
+     "On CUDA tensors (NCCL): makes the stream it was issued after wait, not the host."},
+    {"synchronize", (PyCFunction)(void (*)(void))work_synchronize, METH_VARARGS | METH_KEYWORDS,
+     "synchronize(timeout=None) -> True\n\nBlocks the host until the collective completes; "
+     "raises its error."},
     {"is_completed", (PyCFunction)work_is_completed, METH_NOARGS,
      "is_completed() -> bool"},
     {"wait_stream", (PyCFunction)work_wait_stream, METH_O,
@@ -443,6 +539,11 @@ static PyType_Spec shared_spec = {
 
 /* ------------------------------------------------------------------ */
 /* Group methods */
+
+int dptc_group_object_is_device(PyObject *obj)
+{
+    return !((GroupObject *)obj)->shm;
+}
 
 dptc_group *dptc_group_from_object(dptc_module_state *st, PyObject *obj, const char *argname)
 {
@@ -680,7 +781,7 @@ static int parse_coll(GroupObject *self, PyObject *const *args, Py_ssize_t nargs
                                              "(NCCL)");
             return -1;
         }
-        if (cuda_stream_handle(args[8], &is->coll.device_stream) < 0)
+        if (dptc_cuda_stream_handle(args[8], &is->coll.device_stream) < 0)
             return -1;
     }
     long values[3];
@@ -732,10 +833,22 @@ static void leak_operands(PyObject *input, PyObject *output)
         dptc_leak(PyList_GET_ITEM(output, j));
 }
 
+static PyObject *group_submit(GroupObject *self, PyObject *const *args, Py_ssize_t nargs);
+
 /* run(op, dtype, redop, input, output, count, root, stream): one collective
- * to completion, GIL released. */
+ * to completion, GIL released.  On a NCCL group, to the point where the
+ * stream it follows waits for it (the host does not). */
 static PyObject *group_run(GroupObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
+    if (!self->shm) {
+        PyObject *work = group_submit(self, args, nargs);
+        PyObject *done = work ? PyObject_CallMethod(work, "wait", NULL) : NULL;
+        Py_XDECREF(work);          /* see [Note: dropped device work] */
+        if (!done)
+            return NULL;
+        Py_DECREF(done);
+        Py_RETURN_NONE;
+    }
     dptc_module_state *st;
     dptc_group *g = open_group(self, &st);
     issued is;
@@ -777,7 +890,15 @@ static PyObject *group_submit(GroupObject *self, PyObject *const *args, Py_ssize
     }
     dptc_error err;
     dptc_work *w;
-    dptc_status status = dptc_group_submit(g, is.stream, &is.coll, &w, &err);
+    dptc_status status;
+    if (self->shm) {
+        status = dptc_group_submit(g, is.stream, &is.coll, &w, &err);
+    } else {
+        /* NCCL issues here (see [Note: device transports] in transport.h). */
+        Py_BEGIN_ALLOW_THREADS
+        status = dptc_group_submit(g, is.stream, &is.coll, &w, &err);
+        Py_END_ALLOW_THREADS
+    }
     coll_done(&is);
     if (status != DPTC_OK)
         return group_raise(self, st, status, &err);
@@ -800,6 +921,10 @@ static PyObject *group_submit(GroupObject *self, PyObject *const *args, Py_ssize
     }
     PyObject *work = work_new(st, self, w, keep, timeout);
     Py_DECREF(keep);
+    if (work && !self->shm) {
+        ((WorkObject *)work)->device_stream = is.coll.device_stream;
+        retired_prune(st);
+    }
     return work;
 }
 
@@ -1135,6 +1260,7 @@ static int module_clear(PyObject *module)
     dptc_reducer_clear(st);
     dptc_shard_clear(st);
     dptc_ranges_clear(st);
+    retired_clear(st);
     return 0;
 }
 

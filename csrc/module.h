@@ -29,6 +29,10 @@ typedef struct {
     PyObject *profiler_flag;       /* the flag's key (interned str) */
     PyObject *range_open;          /* open_range(name) -> handle */
     PyObject *range_close;         /* close_range(handle) */
+    /* NCCL works dropped before the device finished them, with the tensors
+     * they keep alive; see [Note: dropped device work] in module.c. */
+    struct dptc_retired *retired;
+    size_t nretired, retired_capacity;
 } dptc_module_state;
 
 dptc_module_state *dptc_state(PyObject *module);
@@ -45,6 +49,12 @@ PyObject *dptc_raise(dptc_module_state *st, dptc_status status,
  * TypeError set (naming `argname`) when obj is not one / is closed. */
 dptc_group *dptc_group_from_object(dptc_module_state *st, PyObject *obj,
                                    const char *argname);
+/* Whether a dptc._C.Group (checked by dptc_group_from_object) moves device
+ * tensors through NCCL rather than CPU tensors through shared memory. */
+int dptc_group_object_is_device(PyObject *obj);
+/* A CUDA stream's handle from an object with `cuda_stream` (torch.cuda.Stream);
+ * None is the legacy default stream.  0, or -1 with an exception. */
+int dptc_cuda_stream_handle(PyObject *stream, void **out);
 
 
 /* The cross-node step around a Python callable (bridge.c); exceptions the

@@ -64,6 +64,17 @@
  * .grad exactly as it was.  A parameter counts as used when its hook fired
  * with a gradient in any backward since the last synced one (no_sync steps
  * included), as in torch.
+ *
+ * [Note: buckets on a device]
+ * When the group moves device tensors (its NCCL engine, for a CUDA module),
+ * the buckets are device tensors and the reducer never touches their bytes:
+ * gradients go in and averages come out through torch's copy_ on the
+ * current stream, each bucket's all-reduce is ordered after the current
+ * stream (current_stream(), called at launch), and the end-of-backward
+ * callback makes the current stream wait for the buckets instead of the
+ * host.  Gradients are copied into the buckets (no [Note: gradients in
+ * place]); find_unused_parameters is refused there for now (its used map is
+ * host memory).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -76,6 +87,7 @@
 #include "dptc.h"
 #include "engine.h"
 #include "module.h"
+#include "nccl.h"
 #include "reduce.h"
 
 /* Names listed in an unused-parameter error before "and N more". */
@@ -162,6 +174,8 @@ struct ReducerObject {
     /* Configuration */
     PyObject *group;           /* dptc._C.Group the buckets are reduced in */
     PyObject *queue_callback;  /* Variable._execution_engine.queue_callback */
+    int device;                /* see [Note: buckets on a device] */
+    PyObject *current_stream;  /* device only: () -> torch.cuda.Stream */
     int find_unused;
     int as_view;               /* gradient_as_bucket_view */
     comm_mode comm;
@@ -266,7 +280,30 @@ static dptc_module_state *reducer_state(ReducerObject *r)
  * step ends, and leaks it with its bucket if the work never completes. */
 static int reduces_in_place(const ReducerObject *r)
 {
-    return r->comm == COMM_PLAIN && !r->find_unused && !r->as_view;
+    return r->comm == COMM_PLAIN && !r->find_unused && !r->as_view && !r->device;
+}
+
+/* `method` of tensor with one tensor argument (copy_ on a device).  GIL held. */
+static dptc_status tensor_call(PyObject *tensor, const char *method, PyObject *arg)
+{
+    PyObject *done = arg ? PyObject_CallMethod(tensor, method, "O", arg)
+                         : PyObject_CallMethod(tensor, method, NULL);
+    if (!done)
+        return DPTC_ERR_PYTHON;
+    Py_DECREF(done);
+    return DPTC_OK;
+}
+
+/* The current CUDA stream's handle (device buckets).  GIL held. */
+static dptc_status current_stream(ReducerObject *r, void **out)
+{
+    *out = NULL;
+    PyObject *stream = PyObject_CallNoArgs(r->current_stream);
+    if (!stream)
+        return DPTC_ERR_PYTHON;
+    int rc = dptc_cuda_stream_handle(stream, out);
+    Py_DECREF(stream);
+    return rc < 0 ? DPTC_ERR_PYTHON : DPTC_OK;
 }
 
 /* The all-reduce of bucket b over its members' pieces.  GIL held. */
@@ -346,6 +383,20 @@ static dptc_status bucket_launch(ReducerObject *r, bucket *b, dptc_error *err)
     for (Py_ssize_t k = 0; k < b->nmembers && reduces_in_place(r); k++)
         if (r->slots[b->members[k]].direct)
             return bucket_submit_pieces(r, g, b, &coll, err);
+    if (r->device) {
+        /* See [Note: buckets on a device]. */
+        CHECK(current_stream(r, &coll.device_stream));
+        if (b->comm_tensor) {
+            CHECK(tensor_call(b->comm_tensor, "copy_", b->tensor));
+            coll.dtype = b->comm_dtype;
+            coll.input = coll.output = b->comm_data;
+        }
+        dptc_status status;
+        Py_BEGIN_ALLOW_THREADS
+        status = dptc_group_submit(g, 0, &coll, &b->work, err);
+        Py_END_ALLOW_THREADS
+        return status;
+    }
     if (b->comm_tensor) {
         dptc_status status;
         Py_BEGIN_ALLOW_THREADS
@@ -488,7 +539,7 @@ static PyObject *step_fail(ReducerObject *r, dptc_status status, const dptc_erro
 /* Checks that grad fits the slot: a CPU tensor of the slot's byte size.  A
  * module converted after wrapping (.half(), .double(), .to(device)) would
  * otherwise have the raw copies read or write out of bounds. */
-static dptc_status slot_check_gradient(param_slot *s, PyObject *grad)
+static dptc_status slot_check_gradient(param_slot *s, PyObject *grad, int device)
 {
     size_t nbytes = 0;
     int is_cpu = 0;
@@ -506,7 +557,7 @@ static dptc_status slot_check_gradient(param_slot *s, PyObject *grad)
     Py_DECREF(value);
     if (is_cpu < 0)
         return DPTC_ERR_PYTHON;
-    if (nbytes == s->nbytes && is_cpu)
+    if (nbytes == s->nbytes && (is_cpu || device))
         return DPTC_OK;
     PyErr_Format(PyExc_RuntimeError,
                  "DistributedDataParallel: the gradient of parameter '%U' is a %s tensor of %zu "
@@ -529,10 +580,12 @@ static dptc_status slot_capture(ReducerObject *r, param_slot *s, PyObject *grad)
     s->grad_is_view = 0;
     s->direct = 0;
     if (grad == Py_None) {
+        if (r->device)
+            return tensor_call(s->view, "zero_", NULL);
         zero_bytes(place, s->nbytes);
         return DPTC_OK;
     }
-    CHECK(slot_check_gradient(s, grad));
+    CHECK(slot_check_gradient(s, grad, r->device));
     s->grad = Py_NewRef(grad);
     if (s->nbytes == 0)
         return DPTC_OK;
@@ -542,8 +595,9 @@ static dptc_status slot_capture(ReducerObject *r, param_slot *s, PyObject *grad)
         s->grad_is_view = 1;
         return DPTC_OK;
     }
-    int contiguous;
-    CHECK(tensor_flag(grad, "is_contiguous", &contiguous));
+    int contiguous = 0;
+    if (!r->device)   /* device buckets: torch copies, see [Note: buckets on a device] */
+        CHECK(tensor_flag(grad, "is_contiguous", &contiguous));
     if (contiguous) {
         s->grad_data = data;
         if (reduces_in_place(r))
@@ -760,6 +814,22 @@ static dptc_status bucket_complete(ReducerObject *r, bucket *b, double timeout, 
     return DPTC_OK;
 }
 
+/* Device buckets: makes `stream` wait for bucket b's all-reduce (the host
+ * does not), or reports its failure, and lets go of the work: the bucket
+ * outlives it, and the stream orders every later use of the bucket after
+ * it.  Runs WITHOUT the GIL. */
+static dptc_status bucket_complete_device(bucket *b, void *stream, dptc_error *err)
+{
+    if (!b->work)
+        return DPTC_OK;
+    void *completion = dptc_work_device_completion(b->work);
+    dptc_status status = completion ? dptc_nccl_stream_wait(completion, stream, err)
+                                    : dptc_work_wait(b->work, 0, err);
+    dptc_work_release(b->work);
+    b->work = NULL;
+    return status;
+}
+
 /* Waits for everything, in launch order, copying each bucket back as soon
  * as it is done and closing its range, if open, then.  Called with the GIL
  * held; releases it (and takes it back only to close a range). */
@@ -768,6 +838,9 @@ static dptc_status wait_and_copy_back(ReducerObject *r, dptc_error *err)
     dptc_group *g = dptc_group_from_object(reducer_state(r), r->group, "process_group");
     if (!g)
         return DPTC_ERR_PYTHON;
+    void *stream = NULL;
+    if (r->device)
+        CHECK(current_stream(r, &stream));
     double timeout = dptc_group_timeout(g) * 2 + 1;
     dptc_status status = DPTC_OK;
     double start = dptc_now();
@@ -783,7 +856,8 @@ static dptc_status wait_and_copy_back(ReducerObject *r, dptc_error *err)
         }
     }
     for (Py_ssize_t i = 0; i < r->nbuckets && status == DPTC_OK; i++) {
-        status = bucket_complete(r, &r->buckets[i], timeout, err);
+        status = r->device ? bucket_complete_device(&r->buckets[i], stream, err)
+                           : bucket_complete(r, &r->buckets[i], timeout, err);
         if (status == DPTC_OK && r->buckets[i].range) {
             Py_BLOCK_THREADS
             status = bucket_close_range(r, &r->buckets[i]);
@@ -800,6 +874,9 @@ static dptc_status wait_and_copy_back(ReducerObject *r, dptc_error *err)
  * non-contiguous gradients, restored view-grads.  GIL held. */
 static dptc_status write_back_python(ReducerObject *r)
 {
+    for (Py_ssize_t k = 0; k < r->nbuckets && r->device; k++)
+        if (r->buckets[k].comm_tensor)
+            CHECK(tensor_call(r->buckets[k].tensor, "copy_", r->buckets[k].comm_tensor));
     for (Py_ssize_t i = 0; i < r->nslots; i++) {
         param_slot *s = &r->slots[i];
         if (!slot_globally_used(r, i)) {
@@ -910,16 +987,25 @@ static int dtype_arg(PyObject *value, int allow_none, dptc_dtype *out, const cha
 static PyObject *reducer_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
     static char *keywords[] = {"group", "params", "names", "dtypes", "queue_callback",
-                               "find_unused_parameters", "gradient_as_bucket_view", NULL};
-    PyObject *group, *params, *names, *dtypes, *queue_callback;
+                               "find_unused_parameters", "gradient_as_bucket_view",
+                               "current_stream", NULL};
+    PyObject *group, *params, *names, *dtypes, *queue_callback, *stream_fn = Py_None;
     int find_unused, as_view;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO!O!O!Opp:Reducer", keywords, &group,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO!O!O!Opp|$O:Reducer", keywords, &group,
                                      &PyList_Type, &params, &PyList_Type, &names, &PyList_Type,
-                                     &dtypes, &queue_callback, &find_unused, &as_view))
+                                     &dtypes, &queue_callback, &find_unused, &as_view,
+                                     &stream_fn))
         return NULL;
     dptc_module_state *st = dptc_state_from_type(type);
     if (!dptc_group_from_object(st, group, "group"))
         return NULL;
+    int device = dptc_group_object_is_device(group);
+    if (device && (find_unused || !PyCallable_Check(stream_fn))) {
+        PyErr_SetString(find_unused ? PyExc_NotImplementedError : PyExc_TypeError,
+                        find_unused ? "Reducer: find_unused_parameters on device buckets"
+                                    : "Reducer: device buckets need current_stream, a callable");
+        return NULL;
+    }
     Py_ssize_t n = PyList_GET_SIZE(params);
     if (PyList_GET_SIZE(names) != n || PyList_GET_SIZE(dtypes) != n) {
         PyErr_SetString(PyExc_ValueError, "Reducer: params, names and dtypes differ in length");
@@ -934,6 +1020,8 @@ static PyObject *reducer_new(PyTypeObject *type, PyObject *args, PyObject *kwarg
         return NULL;
     r->group = Py_NewRef(group);
     r->queue_callback = Py_NewRef(queue_callback);
+    r->device = device;
+    r->current_stream = device ? Py_NewRef(stream_fn) : NULL;
     r->find_unused = find_unused;
     r->as_view = as_view;
     r->comm = COMM_PLAIN;
@@ -1321,6 +1409,7 @@ static int reducer_traverse(PyObject *op, visitproc visit, void *arg)
     Py_VISIT(Py_TYPE(op));
     Py_VISIT(r->group);
     Py_VISIT(r->queue_callback);
+    Py_VISIT(r->current_stream);
     Py_VISIT(r->hooks);
     Py_VISIT(r->handles);
     for (Py_ssize_t i = 0; i < r->nslots; i++) {
@@ -1360,6 +1449,7 @@ static int reducer_clear(PyObject *op)
         Py_CLEAR(r->slots[i].view);
     }
     Py_CLEAR(r->queue_callback);
+    Py_CLEAR(r->current_stream);
     Py_CLEAR(r->group);
     return 0;
 }

@@ -25,7 +25,7 @@ from typing import NamedTuple
 from . import _C
 
 __all__ = ["NCCL_ENV", "CUDART_ENV", "Choice", "find_nccl", "find_cudart", "load", "libraries",
-           "nccl_version_text", "cuda_version_text", "cuda_unsupported_reason"]
+           "nccl_version_text", "cuda_version_text"]
 
 NCCL_ENV = "DPTC_NCCL_LIBRARY"
 CUDART_ENV = "DPTC_CUDART_LIBRARY"
@@ -141,18 +141,3 @@ def cuda_version_text(code):
     if not code:
         return None
     return f"{code // 1000}.{code % 1000 // 10}"
-
-
-def cuda_unsupported_reason():
-    """Why a CUDA module is refused today by DistributedDataParallel, once NCCL and the CUDA
-    runtime loaded.
-
-    Loads them first: raises dptc.CudaLibraryError when that fails, so the user learns what is
-    missing before anything else.  Called where a CUDA module first meets dptc, never at
-    import.
-    """
-    found = load()
-    nccl, cudart = found["nccl"], found["cudart"]
-    return (f"NCCL {nccl['version_text']} ({nccl['path']}) and the CUDA runtime "
-            f"{cudart['version_text']} ({cudart['path']}) were found; dptc's collectives move "
-            f"CUDA tensors through them, but its wrappers on CUDA modules are not built yet")

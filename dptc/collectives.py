@@ -12,8 +12,6 @@ While a torch profiler records, each call runs inside a named range (see [Note: 
 ranges] in _ranges.py).
 """
 
-import collections
-
 import torch
 import torch.distributed as dist
 
@@ -129,25 +127,13 @@ class CudaWork:
         return self._c.is_completed()
 
 
-# Collectives issued blocking on CUDA tensors: their Works keep the tensors alive until the
-# device is done with them, without the host waiting (see _keep).
-_in_flight = collections.deque()
-
-
-def _keep(work):
-    while _in_flight and _in_flight[0].is_completed():
-        _in_flight.popleft()
-    _in_flight.append(work)
-
-
 def _issue_cuda(pg, args, async_op):
     device = _cuda_device(args[3], args[4])
     stream = torch.cuda.current_stream(device)
     work = pg.device_engine(device).submit(*args, stream)
     if async_op:
         return CudaWork(work, device)
-    work.wait_stream(stream)
-    _keep(work)
+    work.wait()  # the current stream waits; the Work, dropped, keeps the tensors until done
     return None
 
 

@@ -111,7 +111,7 @@ def _broadcast_coalesced(tensors, group, src=0, names=None):
             if group.rank == src:
                 flat = torch.cat([tensor.reshape(-1) for tensor, _ in entries])
             else:
-                flat = torch.empty(sum(numels), dtype=dtype)
+                flat = torch.empty(sum(numels), dtype=dtype, device=entries[0][0].device)
             broadcast(flat, group_src=src, group=group)
             if group.rank != src:
                 for (tensor, _), piece in zip(entries, flat.split(numels)):
@@ -181,11 +181,16 @@ class DistributedDataParallel(nn.Module):
         self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
 
         params, names = self._parameters_to_reduce()
-        self.device = params[0].device
+        self.device = _check_devices(params, device_ids, output_device)
         self.device_type = self.device.type
-        _check_devices(params, names, device_ids, output_device)
-        self.device_ids = None
-        self.output_device = None
+        cuda = self.device_type == "cuda"
+        if cuda and self.find_unused_parameters:
+            raise NotImplementedError(
+                "DistributedDataParallel(find_unused_parameters=True) on a CUDA module is not "
+                "implemented by dptc yet; make every parameter receive a gradient, or use "
+                "torch's DistributedDataParallel")
+        self.device_ids = [self.device.index] if cuda else None
+        self.output_device = self.device_ids[0] if cuda else None
         codes = [dtype_code(p.dtype, f"parameter {name!r}") for p, name in zip(params, names)]
 
         if init_sync and self.process_group.size > 1:
@@ -198,9 +203,16 @@ class DistributedDataParallel(nn.Module):
         self._buckets = None          # [(tensor, members, views)], in launch order
         self._assignment = None
         self._buckets_rebuilt = False
-        self._reducer = _C.Reducer(self.process_group._c, params, names, codes,
+        # A CUDA module's buckets live on its device and go through the group's NCCL engine
+        # (see [Note: buckets on a device] in csrc/reducer.c).
+        engine = self.process_group.device_engine(self.device) if cuda else \
+            self.process_group._c
+        device = self.device
+        self._reducer = _C.Reducer(engine, params, names, codes,
                                    torch.autograd.Variable._execution_engine.queue_callback,
-                                   self.find_unused_parameters, self.gradient_as_bucket_view)
+                                   self.find_unused_parameters, self.gradient_as_bucket_view,
+                                   current_stream=(lambda: torch.cuda.current_stream(device))
+                                   if cuda else None)
         self._install_buckets(list(reversed(range(len(params)))))
         self._reducer.register_hooks()
 
@@ -266,9 +278,7 @@ class DistributedDataParallel(nn.Module):
         buckets = []
         for members in assignment:
             dtype = self._params[members[0]].dtype
-            # Shared with the local peers: the all-reduce needs no staging copies.
-            tensor = self.process_group.empty_shared(
-                sum(self._params[i].numel() for i in members), dtype)
+            tensor = self._bucket_tensor(sum(self._params[i].numel() for i in members), dtype)
             views, offset = [], 0
             for i in members:
                 numel = self._params[i].numel()
@@ -287,6 +297,12 @@ class DistributedDataParallel(nn.Module):
                              ", ".join(self._param_names[i] for i in members))
         return True
 
+    def _bucket_tensor(self, numel, dtype):
+        if self.device_type == "cuda":
+            return torch.zeros(numel, dtype=dtype, device=self.device)
+        # Shared with the local peers: the all-reduce needs no staging copies.
+        return self.process_group.empty_shared(numel, dtype)
+
     def _push_buckets(self):
         compress = {COMM_FP16: torch.float16,
                     COMM_BF16: torch.bfloat16}.get(self._comm_mode)
@@ -294,7 +310,7 @@ class DistributedDataParallel(nn.Module):
         for tensor, members, views in self._buckets:
             comm, comm_code = None, None
             if compress is not None and tensor.dtype in (torch.float32, torch.float64):
-                comm = self.process_group.empty_shared(tensor.numel(), compress)
+                comm = self._bucket_tensor(tensor.numel(), compress)
                 comm_code = dtype_code(compress)
             entries.append((tensor, dtype_code(tensor.dtype), list(members), list(views),
                             comm, comm_code))
@@ -434,22 +450,31 @@ def _check_unsupported(delay_all_reduce_named_params, param_to_hook_all_reduce,
                          f"got {device_mesh.ndim} dimensions; pass mesh[dim_name] instead")
 
 
-def _check_devices(params, names, device_ids, output_device):
+def _check_devices(params, device_ids, output_device):
+    """The module's one device: the CPU, or one CUDA device (its gradients then go through
+    NCCL, loaded here first: dptc.CudaLibraryError names what is missing)."""
     devices = {p.device for p in params}
-    if any(device.type != "cpu" for device in devices):
-        # A CUDA module loads NCCL and the CUDA runtime first (dptc.CudaLibraryError names what
-        # is missing); see [Note: loading NCCL and the CUDA runtime] in csrc/cudalib.h.
-        found = (f" ({_cuda.cuda_unsupported_reason()})"
-                 if any(device.type == "cuda" for device in devices) else "")
+    device = params[0].device
+    if len(devices) > 1 or device.type not in ("cpu", "cuda"):
         raise NotImplementedError(
-            f"dptc's DistributedDataParallel supports CPU modules for now, but the module's "
-            f"parameters are on {sorted(str(d) for d in devices)}{found}; move the module to "
-            f"the CPU or use torch's DistributedDataParallel for GPU modules")
-    if device_ids or output_device is not None:
-        raise ValueError(
-            "DistributedDataParallel device_ids and output_device arguments only work with "
-            f"GPU modules; for a CPU module leave them None, but got device_ids {device_ids}, "
-            f"output_device {output_device}")
+            f"dptc's DistributedDataParallel takes a module on the CPU or on one CUDA device, "
+            f"but its parameters are on {sorted(str(d) for d in devices)}; move the module "
+            f"with .to(device)")
+    if device.type == "cpu":
+        if device_ids or output_device is not None:
+            raise ValueError(
+                "DistributedDataParallel device_ids and output_device arguments only work with "
+                f"GPU modules; for a CPU module leave them None, but got device_ids "
+                f"{device_ids}, output_device {output_device}")
+        return device
+    _cuda.load()
+    wanted = [torch.device("cuda", d) if isinstance(d, int) else torch.device(d)
+              for d in (device_ids or [])]
+    if device_ids is not None and wanted != [device]:
+        raise ValueError(f"device_ids must be None or [{device.index}], the device of the "
+                         f"module's parameters ({device}), as torch's DistributedDataParallel "
+                         f"takes for a single-device module; got {device_ids}")
+    return device
 
 
 DDP = DistributedDataParallel

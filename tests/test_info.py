@@ -238,7 +238,7 @@ def test_missing_library_or_function_names_it(which, stubs):
         print(json.dumps({
             "first": first,
             "again": attempt(lambda: _check_tensor(cuda_tensor, "tensor")),
-            "ddp": attempt(lambda: _check_devices([cuda_tensor], ["w"], None, None)),
+            "ddp": attempt(lambda: _check_devices([cuda_tensor], None, None)),
             "all_reduce": attempt(lambda: dptc.all_reduce(cuda_tensor)),
             "is_dist_error": issubclass(dptc.CudaLibraryError, dptc.DistError),
             "libraries": _C.cuda_libraries(),
@@ -262,8 +262,7 @@ def test_missing_library_or_function_names_it(which, stubs):
 def test_found_libraries_report_versions(stubs):
     """Complete stubs load: versions, device count through the loaded cudaGetDeviceCount, one
     outcome for concurrent first loads and for later paths; a CUDA tensor then passes the
-    collectives' check (it goes to NCCL), and DistributedDataParallel refuses a CUDA module
-    saying NCCL was found and its wrappers on CUDA modules are not built yet."""
+    collectives' and DistributedDataParallel's checks (it goes to NCCL)."""
     result = _run_json(FAKE_CUDA, """
         import threading
         paths = (_cuda.find_nccl().path, _cuda.find_cudart().path)
@@ -280,7 +279,7 @@ def test_found_libraries_report_versions(stubs):
             "load": _cuda.load(),
             "devices": _C.cuda_device_count(),
             "check": attempt(lambda: _check_tensor(cuda_tensor, "tensor")),
-            "ddp": attempt(lambda: _check_devices([cuda_tensor], ["w"], None, None)),
+            "ddp": attempt(lambda: _check_devices([cuda_tensor], None, None)),
         }))
     """, **{_cuda.NCCL_ENV: stubs["nccl"], _cuda.CUDART_ENV: stubs["cudart"]})
     assert result["same"]
@@ -293,12 +292,8 @@ def test_found_libraries_report_versions(stubs):
     assert (cudart["driver_version"], cudart["driver_version_text"]) == (12090, "12.9")
     assert result["later"]["nccl"]["path"] == stubs["nccl"]
     assert result["devices"] == 3
-    check, ddp = result["check"], result["ddp"]
-    assert check is None, check
-    assert ddp["type"] == "NotImplementedError"
-    for part in ("NCCL 2.27.3", stubs["nccl"], "CUDA runtime 12.8",
-                 "wrappers on CUDA modules are not built yet"):
-        assert part in ddp["message"], (part, ddp["message"])
+    # Once both load, a CUDA tensor passes the collectives' and DDP's checks (it goes to NCCL).
+    assert result["check"] is None and result["ddp"] is None, result
 
 
 def test_optional_function_may_be_missing(stubs):

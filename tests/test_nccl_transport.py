@@ -91,18 +91,18 @@ def test_collectives_issue_in_order_after_the_callers_stream(fake):
         waits_after_issue = fake.fake_stream_waits()
         w.wait_stream(caller)
         waits_after_wait_stream = fake.fake_stream_waits()
-        w.wait()
+        w.synchronize()
         pieces = torch.arange(5.0)            # two outputs: 2 and 3 elements per rank
         first, second = torch.zeros(2), torch.zeros(3)
-        g.submit(OP_ALL_GATHER, f32, 0, pieces, [first, second], 5, 0, 1, caller).wait()
+        g.submit(OP_ALL_GATHER, f32, 0, pieces, [first, second], 5, 0, 1, caller).synchronize()
         gathered = torch.zeros(4)
-        g.submit(OP_ALL_GATHER, f32, 0, torch.ones(4), gathered, 4, 0, 0, None).wait()
+        g.submit(OP_ALL_GATHER, f32, 0, torch.ones(4), gathered, 4, 0, 0, None).synchronize()
         cast = torch.zeros(3, dtype=torch.int64)
         g.submit(OP_REDUCE_SCATTER, dtype_code(torch.int64), 0, torch.arange(3), cast, 3, 0, 1,
-                 None).wait()
+                 None).synchronize()
         b = torch.full((3,), 7, dtype=torch.bfloat16)
-        g.submit(OP_BROADCAST, dtype_code(torch.bfloat16), 0, b, b, 3, 0, 0, None).wait()
-        g.submit(OP_BARRIER, f32, 0, None, None, 0, 0, 0, None).wait()
+        g.submit(OP_BROADCAST, dtype_code(torch.bfloat16), 0, b, b, 3, 0, 0, None).synchronize()
+        g.submit(OP_BARRIER, f32, 0, None, None, 0, 0, 0, None).synchronize()
         share = error(lambda: g.share(64))
         g.close()
         print(json.dumps({
@@ -144,10 +144,10 @@ def test_stuck_collective_times_out_and_aborts(fake):
         w = g.submit(OP_ALL_REDUCE, f32, 0, x, x, 4, 0, 0, None)
         w.wait_stream(None)
         wait_stream_s = time.monotonic() - started
-        failure = error(lambda: w.wait())
+        failure = error(lambda: w.synchronize())
         waited_s = time.monotonic() - started
         fake.fake_set_hang(0)
-        later = error(lambda: g.submit(OP_ALL_REDUCE, f32, 0, x, x, 4, 0, 0, None).wait())
+        later = error(lambda: g.submit(OP_ALL_REDUCE, f32, 0, x, x, 4, 0, 0, None).synchronize())
         aborts = fake.fake_aborts()
         g.close()
         print(json.dumps({"wait_stream_s": wait_stream_s, "failure": failure,
@@ -172,7 +172,7 @@ def test_asynchronous_nccl_error_raises(fake):
         w = g.submit(OP_ALL_REDUCE, dtype_code(torch.float32), 0, x, x, 4, 0, 0, None)
         started = time.monotonic()
         fake.fake_set_async_error(6)
-        failure = error(lambda: w.wait())
+        failure = error(lambda: w.synchronize())
         print(json.dumps({"failure": failure, "waited_s": time.monotonic() - started,
                           "aborts": fake.fake_aborts()}))
     """)
@@ -180,3 +180,140 @@ def test_asynchronous_nccl_error_raises(fake):
     assert "asynchronous error" in result["failure"][1], result
     assert "remote process exited" in result["failure"][1], result
     assert result["waited_s"] < 5.0 and result["aborts"] == 1, result
+
+
+def test_waits_and_dropped_works_do_not_block_the_host(fake):
+    """While the device has not finished a collective: Work.wait() and a blocking run() only
+    make the stream wait (they return at once); dropping the Work does not wait either, yet its
+    tensor stays alive until the device is done, and the next collective then releases it."""
+    result = _run(fake, """
+        import weakref
+        g = group()
+        f32 = dtype_code(torch.float32)
+        x = torch.ones(4)
+        alive = weakref.ref(x)
+        fake.fake_set_hang(1)
+        started = time.monotonic()
+        w = g.submit(OP_ALL_REDUCE, f32, 0, x, x, 4, 0, 0, Stream(7))
+        w.wait()
+        g.run(OP_ALL_REDUCE, f32, 0, torch.ones(2), torch.ones(2), 2, 0, 1)
+        del w, x
+        host_s = time.monotonic() - started
+        alive_while_running = alive() is not None
+        fake.fake_set_hang(0)
+        time.sleep(0.2)                       # the progress threads see the events complete
+        g.submit(OP_BARRIER, f32, 0, None, None, 0, 0, 0, None).synchronize()
+        print(json.dumps({"host_s": host_s, "alive_while_running": alive_while_running,
+                          "alive_after": alive() is not None}))
+    """)
+    assert result["host_s"] < 0.5, result
+    assert result["alive_while_running"], result
+    assert not result["alive_after"], result
+
+
+def test_fully_shard_units_run_on_the_nccl_engine(fake):
+    """fully_shard's units take the NCCL engine for CUDA parameters (ProcessGroup
+    .device_engine); here, at world size 1, CPU parameters are routed to it as if they were on
+    device 0, so the gathers and reduce-scatters go through the transport and the fake.  Two
+    steps of AdamW train a float64 GPT exactly as single-process training does, and every
+    unit's collective was ordered on the (fake) streams."""
+    result = _run(fake, """
+        import copy, socket
+        from tests.workers_fsdp import max_rel
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        import dptc
+        from dptc.fsdp import _unit
+        from examples.gpt import GPT, build_gpt
+        dptc.init_process_group()
+        _unit.Unit.engine = lambda self, group: group.device_engine(torch.device("cuda", 0))
+        torch.manual_seed(0)
+        model = build_gpt(vocab=64, d_model=32, n_layer=2, n_head=4, ctx=16).double()
+        ref = copy.deepcopy(model)
+        for block in model.blocks:
+            dptc.fully_shard(block)
+        dptc.fully_shard(model)
+        opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref)]
+        generator = torch.Generator().manual_seed(1)
+        for _ in range(2):
+            idx = torch.randint(0, 64, (4, 17), generator=generator)
+            for m, opt in zip((model, ref), opts):
+                GPT.loss(m(idx[:, :-1]), idx[:, 1:]).backward()
+                opt.step()
+                opt.zero_grad()
+        rel = max_rel([p.full_tensor() for p in model.parameters()],
+                      [p.detach() for p in ref.parameters()])
+        dptc.destroy_process_group()
+        print(json.dumps({"rel": rel, "inits": fake.fake_inits(),
+                          "stream_waits": fake.fake_stream_waits()}))
+    """)
+    assert result["rel"] <= 1e-12, result
+    assert result["inits"] == 1, result
+    # Every gather and reduce-scatter waits on its issuer's stream (3 units, 2 steps).
+    assert result["stream_waits"] >= 2 * 3 * 2, result
+
+
+@pytest.mark.parametrize("as_view", [False, True])
+def test_ddp_buckets_on_the_nccl_engine(fake, as_view):
+    """DistributedDataParallel of a CUDA module keeps its buckets on the device and reduces
+    them through the group's NCCL engine ([Note: buckets on a device] in csrc/reducer.c).  Here,
+    at world size 1, a CPU module is taken for one on device 0 (its buckets stay CPU tensors,
+    the stream is the fake's), so the reducer's device path runs against the fake: gradients
+    copied in and out with torch, every bucket's all-reduce ordered after the current stream,
+    the end of backward making that stream wait.  Two steps (the first with a no_sync
+    micro-batch, then bucket rebuild) train a float64 GPT exactly as single-process training
+    does, with and without gradient_as_bucket_view."""
+    result = _run(fake, f"""
+        import copy, socket
+        from tests.workers_fsdp import max_rel
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        import dptc
+        from dptc import ddp
+        from examples.gpt import GPT, build_gpt
+        dptc.init_process_group()
+        ddp._check_devices = lambda params, ids, out: torch.device("cuda", 0)
+        ddp.DistributedDataParallel._bucket_tensor = lambda self, n, d: torch.zeros(n, dtype=d)
+        torch.cuda.current_stream = lambda device=None: Stream(99)
+        torch.manual_seed(0)
+        model = build_gpt(vocab=64, d_model=32, n_layer=2, n_head=4, ctx=16).double()
+        ref = copy.deepcopy(model)
+        wrapped = ddp.DistributedDataParallel(model, bucket_cap_mb=0.01,
+                                              gradient_as_bucket_view={as_view})
+        opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (wrapped, ref)]
+        generator = torch.Generator().manual_seed(1)
+        for _ in range(2):
+            for micro in range(2):
+                idx = torch.randint(0, 64, (4, 17), generator=generator)
+                for m in (wrapped, ref):
+                    loss = GPT.loss(m(idx[:, :-1]), idx[:, 1:]) / 2
+                    if m is wrapped and micro == 0:
+                        with wrapped.no_sync():
+                            loss = GPT.loss(m(idx[:, :-1]), idx[:, 1:]) / 2
+                            loss.backward()
+                    else:
+                        loss.backward()
+            for opt in opts:
+                opt.step()
+                opt.zero_grad()
+        rel = max_rel([p.detach() for p in model.parameters()],
+                      [p.detach() for p in ref.parameters()])
+        buckets = len(wrapped._buckets)
+        dptc.destroy_process_group()
+        print(json.dumps({{"rel": rel, "buckets": buckets, "inits": fake.fake_inits(),
+                          "stream_waits": fake.fake_stream_waits(),
+                          "recorded_on": fake.fake_recorded_stream(1)}}))
+    """)
+    assert result["rel"] <= 1e-12, result
+    assert result["buckets"] > 2, result
+    assert result["inits"] == 1, result
+    # Each bucket's all-reduce waits on the current stream at launch (the end-of-backward wait
+    # adds one for each bucket the fake has not yet seen complete).
+    assert result["stream_waits"] >= 2 * result["buckets"], result
+    assert result["recorded_on"] == 99, result

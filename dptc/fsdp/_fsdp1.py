@@ -40,7 +40,7 @@ def _clean(name):
     return name.replace(PREFIX, "")
 
 
-def _mesh_for(strategy, process_group, device_mesh):
+def _mesh_for(strategy, process_group, device_mesh, device_type):
     """The DeviceMesh fully_shard gets, from FSDP1's arguments as torch reads them: 1-D over
     the shard group for FULL_SHARD and SHARD_GRAD_OP; (replicate, shard) for the hybrid
     strategies (by default replicate across nodes and shard within one; or the pair
@@ -57,28 +57,28 @@ def _mesh_for(strategy, process_group, device_mesh):
             raise ValueError(f"{strategy} needs a 2-D device_mesh (replicate, shard), got "
                              f"{device_mesh.ndim} dims")
         if strategy == ShardingStrategy.NO_SHARD and device_mesh.ndim == 1:
-            return _replicated(device_mesh.get_group(0))
+            return _replicated(device_mesh.get_group(0), device_mesh.device_type)
         return device_mesh
     if strategy in _HYBRID:
         if process_group is None:
             local = default_group().local_size
             world = dist.get_world_size()
-            return init_device_mesh("cpu", (world // local, local),
+            return init_device_mesh(device_type, (world // local, local),
                                     mesh_dim_names=("replicate", "shard"))
         if not (isinstance(process_group, tuple) and len(process_group) == 2):
             raise ValueError(f"{strategy} takes process_group=None or a pair (shard group, "
                              f"replicate group), got {type(process_group).__name__}")
-        return _hybrid_mesh(*process_group)
+        return _hybrid_mesh(*process_group, device_type)
     if isinstance(process_group, tuple):
         raise ValueError(f"process_group as a pair (shard, replicate) is for HYBRID_SHARD; "
                          f"{strategy} takes one group")
     group = process_group if process_group is not None else dist.group.WORLD
     if strategy == ShardingStrategy.NO_SHARD:
-        return _replicated(group)
-    return DeviceMesh.from_group(group, "cpu")
+        return _replicated(group, device_type)
+    return DeviceMesh.from_group(group, device_type)
 
 
-def _hybrid_mesh(shard, replicate):
+def _hybrid_mesh(shard, replicate, device_type):
     """The (replicate, shard) mesh of the pair: row i is the shard group of the i-th member
     of this rank's replicate group.  Every rank tells the others its shard group (the
     constructor is collective, as torch's)."""
@@ -89,18 +89,36 @@ def _hybrid_mesh(shard, replicate):
         raise ValueError(f"process_group=(shard, replicate): the shard groups of the replicate "
                          f"group's members differ in size ({layout}); every shard group must "
                          f"have as many ranks")
-    return DeviceMesh.from_group([replicate, shard], "cpu", mesh=layout,
+    return DeviceMesh.from_group([replicate, shard], device_type, mesh=layout,
                                  mesh_dim_names=("replicate", "shard"))
 
 
-def _replicated(group):
+def _replicated(group, device_type):
     """NO_SHARD over group: a (replicate, shard) mesh whose shard groups hold one rank each.
     Every rank makes the single-rank groups, in rank order (new_group is collective)."""
     singles = [dist.new_group([rank]) for rank in range(dist.get_world_size())]
     ranks = dist.get_process_group_ranks(group)
-    return DeviceMesh.from_group([group, singles[dist.get_rank()]], "cpu",
+    return DeviceMesh.from_group([group, singles[dist.get_rank()]], device_type,
                                  mesh=[[rank] for rank in ranks],
                                  mesh_dim_names=("replicate", "shard"))
+
+
+def _device_of(module, device_id):
+    """The device the instance shards on: device_id's (an int is a CUDA index, as torch
+    reads it), else that of the module's first non-meta parameter, else the CPU."""
+    if device_id is not None:
+        device = torch.device("cuda", device_id) if isinstance(device_id, int) else \
+            torch.device(device_id)
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device_id={device_id!r}: dptc's FullyShardedDataParallel shards "
+                             f"on the CPU or a CUDA device")
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        return device
+    for param in module.parameters():
+        if not param.is_meta:
+            return param.device
+    return torch.device("cpu")
 
 
 def _set_prefetch(state, backward_prefetch, forward_prefetch):
@@ -146,9 +164,7 @@ class FullyShardedDataParallel(nn.Module):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
-        if device_id is not None and torch.device(device_id).type != "cpu":
-            raise ValueError(f"device_id={device_id!r}: dptc's FullyShardedDataParallel runs "
-                             f"on CPU for now; pass device_id=None or 'cpu'")
+        device = _device_of(module, device_id)
         if cpu_offload is not None and not isinstance(cpu_offload, CPUOffload):
             raise TypeError(f"cpu_offload must be a CPUOffload, got {cpu_offload!r}")
         if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
@@ -157,14 +173,17 @@ class FullyShardedDataParallel(nn.Module):
         strategy = sharding_strategy or ShardingStrategy.FULL_SHARD
         if not isinstance(strategy, ShardingStrategy):
             raise TypeError(f"sharding_strategy must be a ShardingStrategy, got {strategy!r}")
-        mesh = _mesh if _mesh is not None else _mesh_for(strategy, process_group, device_mesh)
+        mesh = _mesh if _mesh is not None else _mesh_for(strategy, process_group, device_mesh,
+                                                         device.type)
         ignored_params = set()
         for ignored in list(ignored_modules or ()) + list(ignored_states or ()):
             if isinstance(ignored, nn.Module):
                 ignored_params.update(ignored.parameters())
             else:
                 ignored_params.add(ignored)
-        self._materialize(module, param_init_fn)
+        self._materialize(module, param_init_fn, device)
+        if device.type == "cuda":
+            module.to(device)             # as torch's, for a module given with device_id
         if sync_module_states:
             self._broadcast_from_rank0(module)
         if mixed_precision is not None and mixed_precision.buffer_dtype is not None:
@@ -211,9 +230,9 @@ class FullyShardedDataParallel(nn.Module):
     # -- construction helpers -----------------------------------------------------------------
 
     @staticmethod
-    def _materialize(module, param_init_fn):
+    def _materialize(module, param_init_fn, device):
         """Modules still on the meta device (those nested instances did not take) get
-        param_init_fn(m), one module at a time as torch calls it, or else to_empty on the CPU
+        param_init_fn(m), one module at a time as torch calls it, or else to_empty on `device`
         and their own reset_parameters()."""
         pending = [m for m in module.modules()
                    if any(t.is_meta for t in list(m.parameters(recurse=False)) +
@@ -222,7 +241,7 @@ class FullyShardedDataParallel(nn.Module):
             if param_init_fn is not None:
                 param_init_fn(sub)
                 continue
-            sub.to_empty(device="cpu", recurse=False)
+            sub.to_empty(device=device, recurse=False)
             if hasattr(sub, "reset_parameters"):
                 sub.reset_parameters()
 

@@ -23,7 +23,7 @@ __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_
 logger = logging.getLogger("dptc")
 
 _FSDP_CLASSES = {}
-_default_mesh = None
+_default_mesh = {}                  # device type -> the mesh over every rank
 
 
 class FSDPModule:
@@ -202,20 +202,21 @@ def register_fsdp_forward_method(module, method_name):
     setattr(module, method_name, wrapped)
 
 
-def _mesh_groups(mesh):
-    """(mesh, shard group, replicate group or None) as dptc groups."""
-    global _default_mesh
+def _mesh_groups(mesh, device_type):
+    """(mesh, shard group, replicate group or None) as dptc groups; the mesh on the parameters'
+    device type ("cpu" or "cuda")."""
     if mesh is None:
         group = default_group()
-        if _default_mesh is None or _default_mesh.size() != group.size:
-            _default_mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-        mesh = _default_mesh
+        mesh = _default_mesh.get(device_type)
+        if mesh is None or mesh.size() != group.size:
+            mesh = _default_mesh[device_type] = init_device_mesh(device_type,
+                                                                 (dist.get_world_size(),))
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a torch DeviceMesh (init_device_mesh) or None, got "
                         f"{type(mesh).__name__}")
-    if mesh.device_type != "cpu":
-        raise ValueError(f"mesh is on device type {mesh.device_type!r}; dptc's fully_shard "
-                         f"runs on CPU meshes for now: init_device_mesh('cpu', ...)")
+    if mesh.device_type != device_type:
+        raise ValueError(f"mesh is on device type {mesh.device_type!r} but the parameters are "
+                         f"on {device_type!r}: init_device_mesh({device_type!r}, ...)")
     if mesh.ndim == 1:
         return mesh, resolve(mesh.get_group(0), "mesh"), None
     if mesh.ndim == 2:
@@ -265,9 +266,9 @@ def _check_param(param, where):
     if param.dim() == 0:
         raise ValueError(f"{where} is a 0-dim parameter, which fully_shard cannot shard along "
                          f"dim 0; make it shape (1,) or pass it in ignored_params")
-    if param.device.type not in ("cpu", "meta"):
-        raise ValueError(f"{where} is on {param.device}, but dptc's fully_shard shards CPU "
-                         f"(or meta) parameters for now; move the module with .cpu()")
+    if param.device.type not in ("cpu", "cuda", "meta"):
+        raise ValueError(f"{where} is on {param.device}, but dptc's fully_shard shards CPU, "
+                         f"CUDA (or meta) parameters; move the module with .cpu() or .cuda()")
 
 
 def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placement_fn=None,
@@ -294,7 +295,8 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
     if not isinstance(offload_policy, OffloadPolicy) and \
             type(offload_policy).__name__ not in ("OffloadPolicy", "CPUOffloadPolicy"):
         raise TypeError(f"offload_policy must be an OffloadPolicy, got {offload_policy!r}")
-    mesh, shard_group, replicate_group = _mesh_groups(mesh)
+    cuda = any(p.device.type == "cuda" for m in modules for p in m.parameters())
+    mesh, shard_group, replicate_group = _mesh_groups(mesh, "cuda" if cuda else "cpu")
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
         size = shard_group.size
         if not isinstance(reshard_after_forward, int) or not 1 <= reshard_after_forward <= size \

@@ -171,7 +171,8 @@ class State:
             return
         for state in self.states:
             unit = state.unit
-            if unit is None or unit.group.nnodes != 1 or unit.group.size < 2:
+            if unit is None or unit.group.nnodes != 1 or unit.group.size < 2 or \
+                    unit.device.type != "cpu":
                 continue
             for dtype, nbytes in unit.reduce_input_bytes().items():
                 key = (id(unit.group), dtype)

@@ -95,7 +95,8 @@ class _Bucket:
     """The parameters of a unit that share (original, compute, reduce) dtypes: one shard buffer,
     one C state machine, one all-gather and one reduce-scatter each."""
 
-    def __init__(self, params, orig_dtype, compute_dtype, reduce_dtype, group, size):
+    def __init__(self, params, orig_dtype, compute_dtype, reduce_dtype, engine, num_streams,
+                 size):
         self.params = params
         self.orig_dtype = orig_dtype
         self.compute_dtype = compute_dtype
@@ -108,8 +109,8 @@ class _Bucket:
         self.numel = offset                  # of one rank's shard
         self.gathered = [p for p in params if p.piece > 0]   # params with rows to move
         self.flat = None                     # shard buffer, orig dtype
-        self.c = _C.Unit(group._c, len(params), gather_stream=0,
-                         reduce_stream=1 if group.num_streams > 1 else 0)
+        self.c = _C.Unit(engine, len(params), gather_stream=0,
+                         reduce_stream=1 if num_streams > 1 else 0)
         self.reduce_output = None            # the reduce-scatter's output until finalized
         self.reduce_had_grad = None          # which parameters had a gradient to reduce
         self.redop = None                    # of the reduction in flight
@@ -158,6 +159,13 @@ class Unit:
         self.mesh = mesh
         self.group = shard_group
         self.replicate_group = replicate_group
+        # CUDA parameters move through the groups' NCCL engines, CPU ones through shared
+        # memory; meta parameters are materialised on the CPU (reset_sharded).
+        devices = {param.device for param, _ in params_and_locations if not param.is_meta}
+        if len(devices) > 1:
+            raise ValueError(f"a fully_shard unit's parameters must be on one device, got "
+                             f"{sorted(str(d) for d in devices)}; move the module with .to()")
+        self.device = devices.pop() if devices else torch.device("cpu")
         size, rank = shard_group.size, shard_group.rank
         self.placements = ((Replicate(), Shard(0)) if replicate_group is not None
                            else (Shard(0),))
@@ -172,7 +180,8 @@ class Unit:
             if mp_policy.reduce_dtype is not None and p.orig_dtype.is_floating_point:
                 reduce = mp_policy.reduce_dtype
             by_dtypes.setdefault((p.orig_dtype, compute, reduce), []).append(p)
-        self.buckets = [_Bucket(ps, *dtypes, shard_group, size)
+        self.buckets = [_Bucket(ps, *dtypes, self.engine(shard_group), shard_group.num_streams,
+                                size)
                         for dtypes, ps in by_dtypes.items()]
         self.divide_factor = None
         self.label = "unit"              # its name in profiler ranges, see set_label
@@ -180,12 +189,16 @@ class Unit:
         for bucket in self.buckets:
             self._shard(bucket, originals)
 
+    def engine(self, group):
+        """The C engine that moves this unit's tensors in `group`."""
+        return group.device_engine(self.device) if self.device.type == "cuda" else group._c
+
     # -- layout -------------------------------------------------------------------------------
 
     def _shard(self, bucket, originals):
         on_meta = any(originals[id(p)].is_meta for p in bucket.params)
         bucket.flat = torch.zeros(bucket.numel, dtype=bucket.orig_dtype,
-                                  device="meta" if on_meta else "cpu")
+                                  device="meta" if on_meta else self.device)
         for p in bucket.params:
             orig = originals[id(p)]
             local = p.local_alias(bucket.flat)
@@ -194,7 +207,7 @@ class Unit:
                     local.copy_(orig.detach().narrow(0, p.start, p.local_rows))
             p.sharded = nn.Parameter(self._dtensor(local, p), requires_grad=orig.requires_grad)
             p.padded = torch.empty((self.group.size * p.rows,) + tuple(p.shape[1:]),
-                                   dtype=bucket.compute_dtype)
+                                   dtype=bucket.compute_dtype, device=self.device)
             p.unsharded = nn.Parameter(p.padded[:p.dim0], requires_grad=orig.requires_grad)
             p.padded.untyped_storage().resize_(0)
             p.register(p.sharded)
@@ -209,7 +222,8 @@ class Unit:
         local tensors become views of it again."""
         for bucket in self.buckets:
             if bucket.flat.is_meta:
-                bucket.flat = torch.zeros(bucket.numel, dtype=bucket.orig_dtype)
+                bucket.flat = torch.zeros(bucket.numel, dtype=bucket.orig_dtype,
+                                          device=self.device)
             for p in bucket.params:
                 module, name = p.locations[0]
                 current = module._parameters[name]
@@ -367,7 +381,7 @@ class Unit:
                 grad = p.unsharded.grad
                 had.append(grad is not None)
                 if grad is None:
-                    grad = torch.zeros(p.shape, dtype=bucket.reduce_dtype)
+                    grad = torch.zeros(p.shape, dtype=bucket.reduce_dtype, device=self.device)
                 if p.piece > 0:
                     grads.append(grad.reshape(p.dim0, p.row_numel))
                 p.unsharded.grad = None
@@ -381,17 +395,18 @@ class Unit:
                                           offset=offsets[dtype]).view(size, bucket.numel)
                 offsets[dtype] += size * bucket.numel * dtype.itemsize
             else:
-                source = torch.empty((size, bucket.numel), dtype=dtype)
+                source = torch.empty((size, bucket.numel), dtype=dtype, device=self.device)
             if grads:
                 torch._chunk_cat(grads, dim=0, num_chunks=size, out=source)
-            output = torch.empty(bucket.numel, dtype=bucket.reduce_dtype)
+            output = torch.empty(bucket.numel, dtype=bucket.reduce_dtype, device=self.device)
             code = dtype_code(bucket.reduce_dtype)
             custom = self.divide_factor is not None
             redop = REDOP_SUM if custom or not bucket.reduce_dtype.is_floating_point \
                 else REDOP_AVG
             after = None
             if self.replicate_group is not None and all_reduce and bucket.partial is None:
-                after = (self.replicate_group._c, code, redop, self._replicate_stream())
+                after = (self.engine(self.replicate_group), code, redop,
+                         self._replicate_stream())
             bucket.c.reduce(code, redop, source, output, bucket.numel, after)
             bucket.redop = redop
             bucket.reduce_output = output
@@ -420,9 +435,9 @@ class Unit:
                 had = [a or b for a, b in zip(bucket.partial_had, had)]
                 bucket.partial = bucket.partial_had = None
                 with Range(f"dptc::all_reduce {self.label}"):
-                    self.replicate_group._c.run(OP_ALL_REDUCE, dtype_code(output.dtype),
-                                                bucket.redop, output, output, output.numel(),
-                                                0, self._replicate_stream())
+                    self.engine(self.replicate_group).run(
+                        OP_ALL_REDUCE, dtype_code(output.dtype), bucket.redop, output, output,
+                        output.numel(), 0, self._replicate_stream())
             if self.divide_factor is not None:
                 output.div_(self.divide_factor)
             for p, has in zip(bucket.params, had):

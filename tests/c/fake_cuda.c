@@ -11,12 +11,12 @@
 #include <stdlib.h>
 #include <string.h>
 
-static int hang;            /* events recorded from now on never complete */
+static int hang;            /* events recorded while set complete only once it is cleared */
 static int async_error;     /* what ncclCommGetAsyncError reports */
 static long calls_stream_wait, calls_abort, calls_destroy, calls_init;
 static void *recorded_on[2];   /* the streams of the last two event records, newest first */
 
-typedef struct { int pending; } event;
+typedef struct { int held; } event;
 
 void fake_set_hang(int on) { hang = on; }
 void fake_set_async_error(int result) { async_error = result; }
@@ -45,12 +45,12 @@ int cudaEventCreateWithFlags(void **e, unsigned flags)
 }
 int cudaEventRecord(void *e, void *stream)
 {
-    ((event *)e)->pending = hang;
+    ((event *)e)->held = hang;
     recorded_on[1] = recorded_on[0];
     recorded_on[0] = stream;
     return 0;
 }
-int cudaEventQuery(void *e) { return ((event *)e)->pending ? 600 : 0; }
+int cudaEventQuery(void *e) { return ((event *)e)->held && hang ? 600 : 0; }
 int cudaEventSynchronize(void *e) { (void)e; return 0; }
 int cudaStreamWaitEvent(void *s, void *e, unsigned flags)
 {
