@@ -368,7 +368,103 @@ static void nccl_destroy(dptc_transport *base)
     release(t);
 }
 
-static dptc_status open_resources(nccl_transport *t, dptc_error *err)
+/* [Note: communicator setup with a deadline]
+ * ncclCommInitRank blocks until every member has joined, with no timeout of
+ * its own.  It runs on a thread of its own while open waits for it until the
+ * group's deadline; past it, open fails with DPTC_ERR_TIMEOUT and leaves the
+ * thread behind (stuck in NCCL's bootstrap, which a missing rank never
+ * completes).  The setup record is shared by both and freed by the last one
+ * to let go of it; a communicator made after the deadline is destroyed. */
+typedef struct {
+    pthread_mutex_t lock;
+    pthread_cond_t done_cond;
+    int done, abandoned;
+    const dptc_cuda_api *api;
+    int device, size, rank;
+    dptc_nccl_unique_id id;
+    dptc_nccl_comm comm;
+    dptc_nccl_result result;
+} setup;
+
+static void setup_free(setup *s)
+{
+    pthread_mutex_destroy(&s->lock);
+    pthread_cond_destroy(&s->done_cond);
+    free(s);
+}
+
+static void *setup_main(void *arg)
+{
+    setup *s = arg;
+    dptc_nccl_comm comm = NULL;
+    dptc_nccl_result result = s->api->cudaSetDevice(s->device) == DPTC_CUDA_SUCCESS
+                                  ? s->api->ncclCommInitRank(&comm, s->size, s->id, s->rank)
+                                  : 1; /* ncclUnhandledCudaError */
+    pthread_mutex_lock(&s->lock);
+    int abandoned = s->abandoned;
+    s->comm = comm;
+    s->result = result;
+    s->done = 1;
+    pthread_cond_signal(&s->done_cond);
+    pthread_mutex_unlock(&s->lock);
+    if (abandoned) {
+        if (result == DPTC_NCCL_SUCCESS)
+            s->api->ncclCommDestroy(comm);
+        setup_free(s);
+    }
+    return NULL;
+}
+
+/* Makes t->comm, waiting at most timeout_s; see [Note: communicator setup
+ * with a deadline]. */
+static dptc_status init_comm(nccl_transport *t, double timeout_s, dptc_error *err)
+{
+    setup *s = calloc(1, sizeof *s);
+    if (!s)
+        return dptc_fail(err, DPTC_ERR_NOMEM, "out of memory making a NCCL communicator");
+    pthread_mutex_init(&s->lock, NULL);
+    pthread_cond_init(&s->done_cond, NULL);
+    s->api = t->api;
+    s->device = t->device;
+    s->size = t->size;
+    s->rank = t->rank;
+    s->id = t->id;
+    pthread_t thread;
+    int rc = pthread_create(&thread, NULL, setup_main, s);
+    if (rc != 0) {
+        setup_free(s);
+        return dptc_fail(err, DPTC_ERR_SYSTEM, "could not start the NCCL setup thread: %s",
+                         strerror(rc));
+    }
+    pthread_detach(thread);
+    double deadline = dptc_now() + timeout_s;
+    pthread_mutex_lock(&s->lock);
+    while (!s->done && dptc_now() < deadline) {
+        struct timespec until;
+        clock_gettime(CLOCK_REALTIME, &until);
+        until.tv_nsec += 50 * 1000 * 1000;
+        if (until.tv_nsec >= 1000000000L) {
+            until.tv_sec++;
+            until.tv_nsec -= 1000000000L;
+        }
+        pthread_cond_timedwait(&s->done_cond, &s->lock, &until);
+    }
+    int done = s->done;
+    s->abandoned = !done;
+    pthread_mutex_unlock(&s->lock);
+    if (!done)
+        return dptc_fail(err, DPTC_ERR_TIMEOUT, "rank %d: the NCCL communicator of %d ranks was "
+                         "not set up within %.1f s: a member did not reach its first collective "
+                         "on CUDA tensors", t->rank, t->size, timeout_s);
+    dptc_nccl_result result = s->result;
+    t->comm = s->comm;
+    setup_free(s);
+    if (result != DPTC_NCCL_SUCCESS)
+        return nccl_failed(t->api, result, "ncclCommInitRank", err);
+    return DPTC_OK;
+}
+
+static dptc_status open_resources(nccl_transport *t, double timeout_s, dptc_error *err)
 {
     CUDA(t, cudaSetDevice(t->device), err);
     for (int s = 0; s < t->nstreams; s++) {
@@ -385,9 +481,7 @@ static dptc_status open_resources(nccl_transport *t, dptc_error *err)
     void *scratch = NULL;
     CUDA(t, cudaMalloc(&scratch, sizeof(int)), err);
     t->scratch = scratch;
-    /* Blocks until every member has joined (NCCL's own bootstrap). */
-    NCCL(t, ncclCommInitRank(&t->comm, t->size, t->id, t->rank), err);
-    return DPTC_OK;
+    return init_comm(t, timeout_s, err);
 }
 
 static dptc_status nccl_open(const dptc_group_config *cfg, dptc_transport **out, dptc_error *err)
@@ -407,7 +501,7 @@ static dptc_status nccl_open(const dptc_group_config *cfg, dptc_transport **out,
     t->id = nc->id;
     t->nstreams = cfg->nstreams;
     pthread_mutex_init(&t->lock, NULL);
-    dptc_status status = open_resources(t, err);
+    dptc_status status = open_resources(t, cfg->timeout_s, err);
     if (status != DPTC_OK) {
         release(t);
         return status;

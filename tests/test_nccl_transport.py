@@ -317,3 +317,23 @@ def test_ddp_buckets_on_the_nccl_engine(fake, as_view):
     # adds one for each bucket the fake has not yet seen complete).
     assert result["stream_waits"] >= 2 * result["buckets"], result
     assert result["recorded_on"] == 99, result
+
+
+def test_communicator_setup_has_a_deadline(fake):
+    """A member that never reaches its first CUDA collective leaves ncclCommInitRank waiting
+    for ever: making the group fails with DistTimeoutError at the group's timeout (1 s) instead
+    of hanging, and the communicator NCCL makes once the member comes is destroyed."""
+    result = _run(fake, """
+        fake.fake_set_init_blocks(1)
+        started = time.monotonic()
+        failure = error(lambda: group(timeout=1.0))
+        elapsed = time.monotonic() - started
+        fake.fake_set_init_blocks(0)
+        time.sleep(0.2)                 # the abandoned setup finishes and cleans up
+        print(json.dumps({"failure": failure, "elapsed": elapsed,
+                          "destroys": fake.fake_destroys()}))
+    """)
+    assert result["failure"][0] == "DistTimeoutError", result
+    assert "was not set up within 1.0 s" in result["failure"][1], result
+    assert 0.9 <= result["elapsed"] < 3.0, result
+    assert result["destroys"] == 1, result

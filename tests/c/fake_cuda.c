@@ -10,9 +10,11 @@
  * file, so it shares these globals). */
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 static int hang;            /* events recorded while set complete only once it is cleared */
 static int async_error;     /* what ncclCommGetAsyncError reports */
+static volatile int init_blocks;   /* ncclCommInitRank waits while set (a missing member) */
 static long calls_stream_wait, calls_abort, calls_destroy, calls_init;
 static void *recorded_on[2];   /* the streams of the last two event records, newest first */
 
@@ -20,6 +22,7 @@ typedef struct { int held; } event;
 
 void fake_set_hang(int on) { hang = on; }
 void fake_set_async_error(int result) { async_error = result; }
+void fake_set_init_blocks(int on) { init_blocks = on; }
 long fake_stream_waits(void) { return calls_stream_wait; }
 long fake_aborts(void) { return calls_abort; }
 long fake_destroys(void) { return calls_destroy; }
@@ -89,6 +92,10 @@ int ncclGetUniqueId(unique_id *id) { memset(id->internal, 'F', sizeof id->intern
 int ncclCommInitRank(void **comm, int nranks, unique_id id, int rank)
 {
     calls_init++;
+    while (init_blocks) {
+        struct timespec pause = {0, 1000000};
+        nanosleep(&pause, NULL);
+    }
     if (nranks != 1 || rank != 0 || id.internal[0] != 'F')
         return 5; /* ncclInvalidUsage: the fake has one rank */
     *comm = malloc(1);
