@@ -37,6 +37,7 @@ static const symbol runtime_symbols[] = {
     REQUIRED(cudaEventCreateWithFlags), REQUIRED(cudaEventRecord), REQUIRED(cudaEventQuery),
     REQUIRED(cudaEventSynchronize), REQUIRED(cudaStreamWaitEvent), REQUIRED(cudaEventDestroy),
     REQUIRED(cudaGetErrorString), REQUIRED(cudaMalloc), REQUIRED(cudaFree),
+    REQUIRED(cudaHostAlloc), REQUIRED(cudaFreeHost), REQUIRED(cudaMemcpyAsync),
     REQUIRED(cudaRuntimeGetVersion), REQUIRED(cudaDriverGetVersion),
 };
 

@@ -45,6 +45,9 @@ typedef struct {
 #define DPTC_CUDA_ERROR_NOT_READY 600        /* cudaErrorNotReady (cudaEventQuery) */
 #define DPTC_CUDA_STREAM_NON_BLOCKING 0x01u  /* cudaStreamNonBlocking */
 #define DPTC_CUDA_EVENT_DISABLE_TIMING 0x02u /* cudaEventDisableTiming */
+#define DPTC_CUDA_HOST_ALLOC_DEFAULT 0x00u   /* cudaHostAllocDefault */
+#define DPTC_CUDA_MEMCPY_HOST_TO_DEVICE 1    /* cudaMemcpyHostToDevice */
+#define DPTC_CUDA_MEMCPY_DEVICE_TO_HOST 2    /* cudaMemcpyDeviceToHost */
 
 /* Every function dptc calls, named as the libraries name them.  Only
  * ncclCommInitRankConfig may be NULL (NCCL < 2.14); its config is an
@@ -93,6 +96,10 @@ typedef struct {
     const char *(*cudaGetErrorString)(dptc_cuda_error error);
     dptc_cuda_error (*cudaMalloc)(void **pointer, size_t bytes);
     dptc_cuda_error (*cudaFree)(void *pointer);
+    dptc_cuda_error (*cudaHostAlloc)(void **pointer, size_t bytes, unsigned flags);
+    dptc_cuda_error (*cudaFreeHost)(void *pointer);
+    dptc_cuda_error (*cudaMemcpyAsync)(void *dst, const void *src, size_t bytes, int kind,
+                                       dptc_cuda_stream stream);
     dptc_cuda_error (*cudaRuntimeGetVersion)(int *version);
     dptc_cuda_error (*cudaDriverGetVersion)(int *version);
 } dptc_cuda_api;

@@ -25,12 +25,40 @@ enum { NCCL_SUM = 0, NCCL_PROD = 1, NCCL_MAX = 2, NCCL_MIN = 3, NCCL_AVG = 4 };
 
 typedef struct nccl_transport nccl_transport;
 
+/* [Note: collective order on the device]
+ * As on the shared-memory transport, every rank must issue a stream's
+ * collectives in the same order (see [Note: collective order] in engine.h),
+ * and NCCL does not check it: a rank that differs hangs or reduces the wrong
+ * bytes.  So each collective is preceded on its engine stream by an
+ * all-gather of a record of what this rank issued (op, dtype, redop, root,
+ * count, sequence number), copied in from pinned host memory and the
+ * gathered records copied back out, then an event.  The progress thread
+ * compares the records as soon as that event has happened, while the
+ * collective itself may still run (or hang, because the ranks disagree),
+ * and fails the group with DPTC_ERR_MISMATCH naming what each side issued.
+ * The issuing thread only writes host memory and enqueues: nothing waits
+ * for the device in the hot path.  A ring slot's records are reused only
+ * once the progress thread has seen its collective complete.
+ * DPTC_NCCL_CHECK_ORDER=0 leaves the check out (one small all-gather less
+ * per collective). */
+typedef struct {
+    int32_t op, dtype, redop, root;
+    uint64_t count, seq;
+} record;
+_Static_assert(sizeof(record) == 32, "a record is 32 bytes on every rank");
+
 /* What a collective leaves for the engine to wait on (dptc_completion's
  * handle). */
 typedef struct {
     nccl_transport *t;
     int stream;
     dptc_cuda_event event;
+    /* The order check: this rank's record, every rank's once gathered (pinned
+     * host memory), their place on the device, and the event after them. */
+    record *mine, *gathered;
+    void *device_records;
+    dptc_cuda_event checked;
+    int check_pending;
 } completion;
 
 struct nccl_transport {
@@ -42,6 +70,10 @@ struct nccl_transport {
     dptc_cuda_event ready[DPTC_MAX_STREAMS];      /* recorded on the issuer's stream */
     completion done[DPTC_MAX_STREAMS][RING];
     unsigned next[DPTC_MAX_STREAMS];              /* next ring slot; the issuing thread's */
+    _Atomic unsigned observed[DPTC_MAX_STREAMS];  /* completions the progress thread saw */
+    int check_order;                              /* [Note: collective order on the device] */
+    record *host_records[DPTC_MAX_STREAMS];       /* pinned: RING * (1 + size) records */
+    void *device_records[DPTC_MAX_STREAMS];       /* RING * size records */
     int *scratch;                                 /* one int on the device, for barrier */
     /* The communicator and the failure record.  lock orders NCCL calls
      * against abort (after which comm is NULL). */
@@ -76,6 +108,13 @@ static dptc_status nccl_failed(const dptc_cuda_api *api, dptc_nccl_result rc, co
         dptc_cuda_error cuda_rc_ = (t)->api->call;                                 \
         if (cuda_rc_ != DPTC_CUDA_SUCCESS)                                         \
             return cuda_failed((t)->api, cuda_rc_, #call, (err));                  \
+    } while (0)
+
+#define NCCL(t, call, err)                                                         \
+    do {                                                                           \
+        dptc_nccl_result nccl_rc_ = (t)->api->call;                                \
+        if (nccl_rc_ != DPTC_NCCL_SUCCESS)                                         \
+            return nccl_failed((t)->api, nccl_rc_, #call, (err));                  \
     } while (0)
 
 static dptc_status aborted_error(nccl_transport *t, dptc_error *err)
@@ -130,9 +169,55 @@ static void sleep_seconds(double s)
     nanosleep(&ts, NULL);
 }
 
+/* "all_reduce float32 sum of 10 elements (collective #3 of stream 0)". */
+static void describe(const record *r, char *out, size_t size)
+{
+    const char *op = r->op >= 0 && r->op < DPTC_OP_COUNT ? dptc_op_name((dptc_op)r->op) : "?";
+    const char *dtype = r->dtype >= 0 && r->dtype < DPTC_DTYPE_COUNT
+                            ? dptc_dtype_name((dptc_dtype)r->dtype) : "?";
+    const char *redop = r->redop >= 0 && r->redop < DPTC_REDOP_COUNT
+                            ? dptc_redop_name((dptc_redop)r->redop) : "?";
+    snprintf(out, size, "%s %s %s of %llu elements, root %d (collective #%llu of the stream)", op,
+             dtype, redop, (unsigned long long)r->count, (int)r->root,
+             (unsigned long long)r->seq);
+}
+
+/* Compares every rank's record with this one's; see [Note: collective
+ * order on the device]. */
+static dptc_status check_records(nccl_transport *t, completion *c, dptc_error *err)
+{
+    for (int r = 0; r < t->size; r++) {
+        if (memcmp(&c->gathered[r], c->mine, sizeof(record)) == 0)
+            continue;
+        char mine[160], theirs[160];
+        describe(c->mine, mine, sizeof mine);
+        describe(&c->gathered[r], theirs, sizeof theirs);
+        return dptc_fail(err, DPTC_ERR_MISMATCH, "ranks issued different collectives on NCCL "
+                         "stream %d: rank %d issued %s, rank %d issued %s", c->stream, t->rank,
+                         mine, r, theirs);
+    }
+    return DPTC_OK;
+}
+
+/* The order check's part of a poll: compares the records once their event
+ * has happened.  DPTC_OK while they are still on their way. */
+static dptc_status poll_check(nccl_transport *t, completion *c, dptc_error *err)
+{
+    if (!c->check_pending)
+        return DPTC_OK;
+    dptc_cuda_error rc = t->api->cudaEventQuery(c->checked);
+    if (rc == DPTC_CUDA_ERROR_NOT_READY)
+        return DPTC_OK;
+    if (rc != DPTC_CUDA_SUCCESS)
+        return cuda_failed(t->api, rc, "cudaEventQuery", err);
+    c->check_pending = 0;
+    return check_records(t, c, err);
+}
+
 /* done->wait: polls the completion event until it has happened, the
  * deadline passes, NCCL reports an asynchronous error or the transport is
- * aborted.  On the progress thread; never on the issuing path. */
+ * aborted; and the order check's records meanwhile.  On the progress
+ * thread; never on the issuing path. */
 static dptc_status completion_wait(void *handle, double deadline, dptc_error *err)
 {
     completion *c = handle;
@@ -140,9 +225,13 @@ static dptc_status completion_wait(void *handle, double deadline, dptc_error *er
     const dptc_cuda_api *api = t->api;
     double pause = 0.00001;
     for (unsigned polls = 0;; polls++) {
+        CHECK(poll_check(t, c, err));
         dptc_cuda_error rc = api->cudaEventQuery(c->event);
-        if (rc == DPTC_CUDA_SUCCESS)
+        if (rc == DPTC_CUDA_SUCCESS) {
+            CHECK(poll_check(t, c, err));    /* its event came first on the stream */
+            atomic_fetch_add(&t->observed[c->stream], 1);
             return DPTC_OK;
+        }
         if (rc != DPTC_CUDA_ERROR_NOT_READY)
             return cuda_failed(api, rc, "cudaEventQuery", err);
         if (atomic_load(&t->aborted))
@@ -167,7 +256,8 @@ static dptc_status completion_wait(void *handle, double deadline, dptc_error *er
         if (dptc_now() > deadline)
             return dptc_fail(err, DPTC_ERR_TIMEOUT, "rank %d: a NCCL collective on stream %d "
                              "did not complete by its deadline (a peer did not join it, or the "
-                             "device work it follows is stuck)", t->rank, c->stream);
+                             "device work it follows is stuck)%s", t->rank, c->stream,
+                             c->check_pending ? "; not every rank reached it" : "");
         sleep_seconds(pause);
         pause = pause * 2 < MAX_SLEEP_S ? pause * 2 : MAX_SLEEP_S;
     }
@@ -198,6 +288,46 @@ static dptc_status begin(nccl_transport *t, const dptc_order *order, const dptc_
     return DPTC_OK;
 }
 
+/* Waits (on the issuing thread, rarely) until the ring slot of the next
+ * collective on the stream is free: RING collectives behind it have
+ * completed.  Without t->lock. */
+static dptc_status slot_free(nccl_transport *t, const dptc_order *order, dptc_error *err)
+{
+    int s = order->stream;
+    while (atomic_load(&t->observed[s]) + RING <= t->next[s]) {
+        if (atomic_load(&t->aborted))
+            return aborted_error(t, err);
+        if (dptc_now() > order->deadline)
+            return dptc_fail(err, DPTC_ERR_TIMEOUT, "rank %d: %d NCCL collectives of stream %d "
+                             "were still in flight at the deadline", t->rank, RING, s);
+        sleep_seconds(0.00005);
+    }
+    return DPTC_OK;
+}
+
+/* Enqueues the order check of the next collective: see [Note: collective
+ * order on the device].  t->lock held. */
+static dptc_status enqueue_check(nccl_transport *t, const dptc_order *order, const dptc_coll *c,
+                                 dptc_error *err)
+{
+    int s = order->stream;
+    completion *slot = &t->done[s][t->next[s] % RING];
+    dptc_cuda_stream stream = t->streams[s];
+    *slot->mine = (record){.op = c->op, .dtype = c->dtype, .redop = c->redop, .root = c->root,
+                           .count = c->count, .seq = order->seq};
+    char *place = (char *)slot->device_records + (size_t)t->rank * sizeof(record);
+    CUDA(t, cudaMemcpyAsync(place, slot->mine, sizeof(record), DPTC_CUDA_MEMCPY_HOST_TO_DEVICE,
+                            stream), err);
+    NCCL(t, ncclAllGather(place, slot->device_records, sizeof(record), NCCL_UINT8, t->comm,
+                          stream), err);
+    CUDA(t, cudaMemcpyAsync(slot->gathered, slot->device_records,
+                            (size_t)t->size * sizeof(record), DPTC_CUDA_MEMCPY_DEVICE_TO_HOST,
+                            stream), err);
+    CUDA(t, cudaEventRecord(slot->checked, stream), err);
+    slot->check_pending = 1;
+    return DPTC_OK;
+}
+
 /* Records the collective's completion after what begin..end enqueued.
  * t->lock held. */
 static dptc_status end(nccl_transport *t, const dptc_order *order, dptc_completion *done,
@@ -225,8 +355,12 @@ static dptc_status collective(dptc_transport *base, const dptc_order *order, con
                       redop < 0))
         return dptc_fail(err, DPTC_ERR_INVALID, "NCCL cannot %s %s with %s", dptc_op_name(c->op),
                          dptc_dtype_name(c->dtype), dptc_redop_name(c->redop));
+    if (t->check_order)
+        CHECK(slot_free(t, order, err));
     pthread_mutex_lock(&t->lock);
     dptc_status status = begin(t, order, c, err);
+    if (status == DPTC_OK && t->check_order)
+        status = enqueue_check(t, order, c, err);
     if (status == DPTC_OK)
         status = body(t, c, t->streams[order->stream], dtype, redop, err);
     if (status == DPTC_OK)
@@ -235,12 +369,6 @@ static dptc_status collective(dptc_transport *base, const dptc_order *order, con
     return status;
 }
 
-#define NCCL(t, call, err)                                                         \
-    do {                                                                           \
-        dptc_nccl_result nccl_rc_ = (t)->api->call;                                \
-        if (nccl_rc_ != DPTC_NCCL_SUCCESS)                                         \
-            return nccl_failed((t)->api, nccl_rc_, #call, (err));                  \
-    } while (0)
 
 static dptc_status enqueue_all_reduce(nccl_transport *t, const dptc_coll *c,
                                       dptc_cuda_stream stream, int dtype, int redop,
@@ -344,9 +472,16 @@ static void release(nccl_transport *t)
     const dptc_cuda_api *api = t->api;
     api->cudaSetDevice(t->device);
     for (int s = 0; s < t->nstreams; s++) {
-        for (int k = 0; k < RING; k++)
+        for (int k = 0; k < RING; k++) {
             if (t->done[s][k].event)
                 api->cudaEventDestroy(t->done[s][k].event);
+            if (t->done[s][k].checked)
+                api->cudaEventDestroy(t->done[s][k].checked);
+        }
+        if (t->host_records[s])
+            api->cudaFreeHost(t->host_records[s]);
+        if (t->device_records[s])
+            api->cudaFree(t->device_records[s]);
         if (t->ready[s])
             api->cudaEventDestroy(t->ready[s]);
         if (t->streams[s])
@@ -464,6 +599,27 @@ static dptc_status init_comm(nccl_transport *t, double timeout_s, dptc_error *er
     return DPTC_OK;
 }
 
+/* The order check's records of stream s: see [Note: collective order on
+ * the device]. */
+static dptc_status open_records(nccl_transport *t, int s, dptc_error *err)
+{
+    size_t size = (size_t)t->size;
+    void *host = NULL, *device = NULL;
+    CUDA(t, cudaHostAlloc(&host, RING * (1 + size) * sizeof(record),
+                          DPTC_CUDA_HOST_ALLOC_DEFAULT), err);
+    t->host_records[s] = host;
+    CUDA(t, cudaMalloc(&device, RING * size * sizeof(record)), err);
+    t->device_records[s] = device;
+    for (size_t k = 0; k < RING; k++) {
+        completion *c = &t->done[s][k];
+        c->mine = t->host_records[s] + k * (1 + size);
+        c->gathered = c->mine + 1;
+        c->device_records = (char *)device + k * size * sizeof(record);
+        CUDA(t, cudaEventCreateWithFlags(&c->checked, DPTC_CUDA_EVENT_DISABLE_TIMING), err);
+    }
+    return DPTC_OK;
+}
+
 static dptc_status open_resources(nccl_transport *t, double timeout_s, dptc_error *err)
 {
     CUDA(t, cudaSetDevice(t->device), err);
@@ -477,6 +633,8 @@ static dptc_status open_resources(nccl_transport *t, double timeout_s, dptc_erro
             CUDA(t, cudaEventCreateWithFlags(&t->done[s][k].event,
                                              DPTC_CUDA_EVENT_DISABLE_TIMING), err);
         }
+        if (t->check_order)
+            CHECK(open_records(t, s, err));
     }
     void *scratch = NULL;
     CUDA(t, cudaMalloc(&scratch, sizeof(int)), err);
@@ -500,6 +658,8 @@ static dptc_status nccl_open(const dptc_group_config *cfg, dptc_transport **out,
     t->device = nc->device;
     t->id = nc->id;
     t->nstreams = cfg->nstreams;
+    const char *check = getenv("DPTC_NCCL_CHECK_ORDER");
+    t->check_order = !(check && strcmp(check, "0") == 0);
     pthread_mutex_init(&t->lock, NULL);
     dptc_status status = open_resources(t, cfg->timeout_s, err);
     if (status != DPTC_OK) {

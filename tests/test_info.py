@@ -42,7 +42,8 @@ CUDART_FUNCTIONS = ("cudaGetDeviceCount", "cudaGetDevice", "cudaSetDevice",
                     "cudaStreamCreateWithPriority", "cudaStreamDestroy",
                     "cudaEventCreateWithFlags", "cudaEventRecord", "cudaEventQuery",
                     "cudaEventSynchronize", "cudaStreamWaitEvent", "cudaEventDestroy",
-                    "cudaGetErrorString", "cudaMalloc", "cudaFree", "cudaRuntimeGetVersion",
+                    "cudaGetErrorString", "cudaMalloc", "cudaFree", "cudaHostAlloc",
+                    "cudaFreeHost", "cudaMemcpyAsync", "cudaRuntimeGetVersion",
                     "cudaDriverGetVersion")
 # Bodies of the functions the loader calls; every other function is `int f(void) { return 0; }`.
 STUB_BODIES = {

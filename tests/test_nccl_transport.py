@@ -86,8 +86,9 @@ def test_collectives_issue_in_order_after_the_callers_stream(fake):
         x = torch.arange(6.0)
         out = torch.zeros(6)
         w = g.submit(OP_ALL_REDUCE, f32, 0, x, out, 6, 0, 0, caller)
-        # The event before the completion's: the one on the issuer's stream.
-        recorded_on = fake.fake_recorded_stream(1)
+        # One of the collective's events went on the issuer's stream (the others on the
+        # engine stream's: the order check's and the completion's).
+        recorded_on = [fake.fake_recorded_stream(k) for k in range(3)]
         waits_after_issue = fake.fake_stream_waits()
         w.wait_stream(caller)
         waits_after_wait_stream = fake.fake_stream_waits()
@@ -117,7 +118,7 @@ def test_collectives_issue_in_order_after_the_callers_stream(fake):
         }))
     """)
     assert result["out"] == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
-    assert result["recorded_on"] == 4321
+    assert 4321 in result["recorded_on"]
     assert result["waits_after_issue"] == 1          # the engine's stream waits on the caller's
     # wait_stream adds one wait, unless the (fake) device had finished already.
     assert result["waits_after_wait_stream"] in (1, 2)
@@ -308,7 +309,7 @@ def test_ddp_buckets_on_the_nccl_engine(fake, as_view):
         dptc.destroy_process_group()
         print(json.dumps({{"rel": rel, "buckets": buckets, "inits": fake.fake_inits(),
                           "stream_waits": fake.fake_stream_waits(),
-                          "recorded_on": fake.fake_recorded_stream(1)}}))
+                          "recorded_on": [fake.fake_recorded_stream(k) for k in range(3)]}}))
     """)
     assert result["rel"] <= 1e-12, result
     assert result["buckets"] > 2, result
@@ -316,7 +317,7 @@ def test_ddp_buckets_on_the_nccl_engine(fake, as_view):
     # Each bucket's all-reduce waits on the current stream at launch (the end-of-backward wait
     # adds one for each bucket the fake has not yet seen complete).
     assert result["stream_waits"] >= 2 * result["buckets"], result
-    assert result["recorded_on"] == 99, result
+    assert 99 in result["recorded_on"], result
 
 
 def test_communicator_setup_has_a_deadline(fake):
@@ -337,3 +338,29 @@ def test_communicator_setup_has_a_deadline(fake):
     assert "was not set up within 1.0 s" in result["failure"][1], result
     assert 0.9 <= result["elapsed"] < 3.0, result
     assert result["destroys"] == 1, result
+
+
+def test_collective_order_is_checked_on_the_device(fake):
+    """Each collective is preceded by an all-gather of what every rank issued; when the
+    gathered records disagree (here the fake changes a byte of one) the collective fails with
+    CollectiveMismatchError naming both sides, and the group with it.  The issuing call itself
+    does not wait: the check runs on the progress thread."""
+    result = _run(fake, """
+        g = group(timeout=5.0)
+        x = torch.ones(4)
+        f32 = dtype_code(torch.float32)
+        g.submit(OP_ALL_REDUCE, f32, 0, x, x, 4, 0, 0, None).synchronize()
+        fake.fake_set_corrupt_gather(1)
+        started = time.monotonic()
+        w = g.submit(OP_ALL_REDUCE, f32, 0, x, x, 4, 0, 0, None)
+        issue_s = time.monotonic() - started
+        failure = error(lambda: w.synchronize())
+        later = error(lambda: g.submit(OP_ALL_REDUCE, f32, 0, x, x, 4, 0, 0, None).synchronize())
+        print(json.dumps({"failure": failure, "later": later, "issue_s": issue_s}))
+    """)
+    assert result["failure"][0] == "CollectiveMismatchError", result
+    message = result["failure"][1]
+    assert "rank 0 issued all_reduce float32 SUM of 4 elements" in message, message
+    assert "(collective #1 of the stream)" in message, message
+    assert result["later"][0] == "CollectiveMismatchError", result
+    assert result["issue_s"] < 0.5, result

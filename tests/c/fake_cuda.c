@@ -15,19 +15,25 @@
 static int hang;            /* events recorded while set complete only once it is cleared */
 static int async_error;     /* what ncclCommGetAsyncError reports */
 static volatile int init_blocks;   /* ncclCommInitRank waits while set (a missing member) */
+static int corrupt_gather;  /* the next all-gather's first byte comes back changed */
 static long calls_stream_wait, calls_abort, calls_destroy, calls_init;
-static void *recorded_on[2];   /* the streams of the last two event records, newest first */
+#define RECORDS 4
+static void *recorded_on[RECORDS];   /* the streams of the last event records, newest first */
 
 typedef struct { int held; } event;
 
 void fake_set_hang(int on) { hang = on; }
 void fake_set_async_error(int result) { async_error = result; }
 void fake_set_init_blocks(int on) { init_blocks = on; }
+void fake_set_corrupt_gather(int on) { corrupt_gather = on; }
 long fake_stream_waits(void) { return calls_stream_wait; }
 long fake_aborts(void) { return calls_abort; }
 long fake_destroys(void) { return calls_destroy; }
 long fake_inits(void) { return calls_init; }
-void *fake_recorded_stream(int back) { return back >= 0 && back < 2 ? recorded_on[back] : NULL; }
+void *fake_recorded_stream(int back)
+{
+    return back >= 0 && back < RECORDS ? recorded_on[back] : NULL;
+}
 
 /* ---- CUDA runtime ---- */
 int cudaGetDeviceCount(int *n) { *n = 1; return 0; }
@@ -49,7 +55,7 @@ int cudaEventCreateWithFlags(void **e, unsigned flags)
 int cudaEventRecord(void *e, void *stream)
 {
     ((event *)e)->held = hang;
-    recorded_on[1] = recorded_on[0];
+    memmove(recorded_on + 1, recorded_on, (RECORDS - 1) * sizeof recorded_on[0]);
     recorded_on[0] = stream;
     return 0;
 }
@@ -65,6 +71,19 @@ int cudaEventDestroy(void *e) { free(e); return 0; }
 const char *cudaGetErrorString(int e) { return e ? "fake CUDA error" : "no error"; }
 int cudaMalloc(void **p, size_t bytes) { *p = calloc(1, bytes ? bytes : 1); return *p ? 0 : 2; }
 int cudaFree(void *p) { free(p); return 0; }
+int cudaHostAlloc(void **p, size_t bytes, unsigned flags)
+{
+    (void)flags;
+    *p = calloc(1, bytes ? bytes : 1);
+    return *p ? 0 : 2;
+}
+int cudaFreeHost(void *p) { free(p); return 0; }
+int cudaMemcpyAsync(void *dst, const void *src, size_t bytes, int kind, void *stream)
+{
+    (void)kind, (void)stream;
+    memmove(dst, src, bytes);
+    return 0;
+}
 int cudaRuntimeGetVersion(int *v) { *v = 12080; return 0; }
 int cudaDriverGetVersion(int *v) { *v = 12090; return 0; }
 
@@ -117,7 +136,12 @@ int ncclReduceScatter(const void *s, void *r, size_t n, int dt, int op, void *c,
 int ncclAllGather(const void *s, void *r, size_t n, int dt, void *c, void *st)
 {
     (void)c, (void)st;
-    return copy(s, r, n, dt);
+    int rc = copy(s, r, n, dt);
+    if (corrupt_gather && n) {
+        ((unsigned char *)r)[0] ^= 0x5a;
+        corrupt_gather = 0;
+    }
+    return rc;
 }
 int ncclBroadcast(const void *s, void *r, size_t n, int dt, int root, void *c, void *st)
 {
