@@ -268,31 +268,34 @@ static dptc_collective_fn collective_of(const dptc_transport_ops *ops, dptc_op o
     }
 }
 
+/* Calls the transport's operation for c, leaving its order in *order and
+ * what to wait on in *done.  The transport stays open meanwhile: destroy
+ * waits for every busy stream, and a transport that enqueues is called with
+ * the stream's lock held. */
+static dptc_status start(dptc_group *g, int stream_index, const dptc_coll *c, uint64_t seq,
+                         dptc_order *order, dptc_completion *done, dptc_error *err)
+{
+    dptc_transport *t = g->transport;
+    *order = (dptc_order){.stream = stream_index, .seq = seq,
+                          .deadline = dptc_now() + g->timeout_s};
+    *done = (dptc_completion){NULL, NULL};
+    if (c->op == DPTC_OP_CALL)
+        return c->call(t, order, c->call_arg, err);
+    dptc_collective_fn run = collective_of(t->ops, c->op);
+    return run ? run(t, order, c, done, err)
+               : dptc_fail(err, DPTC_ERR_INVALID, "transport %s has no %s", t->ops->name,
+                           dptc_op_name(c->op));
+}
+
 /* Runs one collective on the calling thread, the stream's executor; records
- * a failure in g.  The transport stays open meanwhile: destroy waits for
- * every busy stream. */
+ * a failure in g. */
 static dptc_status execute(dptc_group *g, int stream_index, const dptc_coll *c, uint64_t seq,
                            dptc_error *err)
 {
-    if (atomic_load(&g->failed)) {
-        pthread_mutex_lock(&g->lock);
-        memcpy(err, &g->fail_err, sizeof *err);
-        dptc_status status = g->fail_status;
-        pthread_mutex_unlock(&g->lock);
-        return status;
-    }
-    dptc_transport *t = g->transport;
-    dptc_order order = {.stream = stream_index, .seq = seq, .deadline = dptc_now() + g->timeout_s};
-    dptc_completion done = {NULL, NULL};
-    dptc_status status;
-    if (c->op == DPTC_OP_CALL) {
-        status = c->call(t, &order, c->call_arg, err);
-    } else {
-        dptc_collective_fn run = collective_of(t->ops, c->op);
-        status = run ? run(t, &order, c, &done, err)
-                     : dptc_fail(err, DPTC_ERR_INVALID, "transport %s has no %s", t->ops->name,
-                                 dptc_op_name(c->op));
-    }
+    CHECK(dptc_group_failure(g, err));
+    dptc_order order;
+    dptc_completion done;
+    dptc_status status = start(g, stream_index, c, seq, &order, &done, err);
     if (status == DPTC_OK && done.wait)
         status = done.wait(done.handle, order.deadline, err);
     if (status != DPTC_OK)
@@ -305,22 +308,11 @@ static dptc_status execute(dptc_group *g, int stream_index, const dptc_coll *c, 
  * issue order is seq order. */
 static dptc_status issue(dptc_group *g, dptc_work *w, dptc_error *err)
 {
-    if (atomic_load(&g->failed)) {
-        pthread_mutex_lock(&g->lock);
-        memcpy(err, &g->fail_err, sizeof *err);
-        dptc_status status = g->fail_status;
-        pthread_mutex_unlock(&g->lock);
-        return status;
-    }
-    dptc_transport *t = g->transport;
-    dptc_order order = {.stream = w->stream, .seq = w->seq,
-                        .deadline = dptc_now() + g->timeout_s};
+    CHECK(dptc_group_failure(g, err));
+    dptc_order order;
+    dptc_status status = start(g, w->stream, &w->coll, w->seq, &order, &w->done, err);
     w->deadline = order.deadline;
-    dptc_collective_fn run = w->coll.op == DPTC_OP_CALL ? NULL : collective_of(t->ops, w->coll.op);
-    if (!run)
-        return dptc_fail(err, DPTC_ERR_INVALID, "transport %s has no %s", t->ops->name,
-                         dptc_op_name(w->coll.op));
-    return run(t, &order, &w->coll, &w->done, err);
+    return status;
 }
 
 /* The progress thread's part of an issued work: its completion. */
