@@ -320,10 +320,25 @@ int dptc_cuda_stream_handle(PyObject *stream, void **out)
     return *out == NULL && PyErr_Occurred() ? -1 : 0;
 }
 
-/* wait_stream(stream): makes the CUDA stream wait for this NCCL collective
- * without blocking the host, as torch's Work.wait() does; raises the
- * collective's failure when it has already failed.  See [Note: the NCCL
- * transport] in nccl.h. */
+/* Makes the CUDA stream `stream` wait for this NCCL collective without
+ * blocking the host, or raises its failure when it has already failed.  See
+ * [Note: the NCCL transport] in nccl.h. */
+static PyObject *work_stream_wait(WorkObject *self, void *stream)
+{
+    dptc_error err;
+    dptc_status status = DPTC_OK;
+    void *completion = dptc_work_device_completion(self->work);
+    if (completion)
+        status = dptc_nccl_stream_wait(completion, stream, &err);
+    else if (dptc_work_is_completed(self->work))
+        status = dptc_work_wait(self->work, 0, &err);
+    if (status != DPTC_OK)
+        return group_raise(self->group, dptc_state_from_type(Py_TYPE(self)), status, &err);
+    Py_RETURN_TRUE;
+}
+
+/* wait_stream(stream): the given stream waits (torch's Work.wait() makes the
+ * current stream wait). */
 static PyObject *work_wait_stream(WorkObject *self, PyObject *stream)
 {
     if (self->group->shm) {
@@ -334,36 +349,21 @@ static PyObject *work_wait_stream(WorkObject *self, PyObject *stream)
     void *handle;
     if (dptc_cuda_stream_handle(stream, &handle) < 0)
         return NULL;
-    dptc_error err;
-    dptc_status status = DPTC_OK;
-    void *completion = dptc_work_device_completion(self->work);
-    if (completion)
-        status = dptc_nccl_stream_wait(completion, handle, &err);
-    else if (dptc_work_is_completed(self->work))
-        status = dptc_work_wait(self->work, 0, &err);
-    if (status != DPTC_OK)
-        return group_raise(self->group, dptc_state_from_type(Py_TYPE(self)), status, &err);
-    Py_RETURN_TRUE;
+    return work_stream_wait(self, handle);
 }
 
 /* wait(timeout=None): a shared-memory collective's synchronize; a NCCL
  * collective's makes the stream it was issued after wait for it, without
- * blocking the host (as torch's NCCL Work.wait()), and raises its failure
- * when it has already failed. */
+ * blocking the host, as torch's NCCL Work.wait() does. */
 static PyObject *work_wait(WorkObject *self, PyObject *args, PyObject *kwargs)
 {
-    void *completion = self->group->shm ? NULL : dptc_work_device_completion(self->work);
-    if (!completion)
+    if (self->group->shm)
         return work_synchronize(self, args, kwargs);
     static char *keywords[] = {"timeout", NULL};
     PyObject *timeout = Py_None;
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|O:wait", keywords, &timeout))
         return NULL;
-    dptc_error err;
-    dptc_status status = dptc_nccl_stream_wait(completion, self->device_stream, &err);
-    if (status != DPTC_OK)
-        return group_raise(self->group, dptc_state_from_type(Py_TYPE(self)), status, &err);
-    Py_RETURN_TRUE;
+    return work_stream_wait(self, self->device_stream);
 }
 
 static PyObject *work_is_completed(WorkObject *self, PyObject *Py_UNUSED(ignored))
