@@ -266,7 +266,8 @@ def test_ddp_buckets_on_the_nccl_engine(fake, as_view):
     copied in and out with torch, every bucket's all-reduce ordered after the current stream,
     the end of backward making that stream wait.  Two steps (the first with a no_sync
     micro-batch, then bucket rebuild) train a float64 GPT exactly as single-process training
-    does, with and without gradient_as_bucket_view."""
+    does, with and without gradient_as_bucket_view; find_unused_parameters=True is refused
+    there for now."""
     result = _run(fake, f"""
         import copy, socket
         from tests.workers_fsdp import max_rel
@@ -306,8 +307,11 @@ def test_ddp_buckets_on_the_nccl_engine(fake, as_view):
         rel = max_rel([p.detach() for p in model.parameters()],
                       [p.detach() for p in ref.parameters()])
         buckets = len(wrapped._buckets)
+        unused = error(lambda: ddp.DistributedDataParallel(copy.deepcopy(ref),
+                                                           find_unused_parameters=True))
         dptc.destroy_process_group()
-        print(json.dumps({{"rel": rel, "buckets": buckets, "inits": fake.fake_inits(),
+        print(json.dumps({{"rel": rel, "buckets": buckets, "unused": unused,
+                          "inits": fake.fake_inits(),
                           "stream_waits": fake.fake_stream_waits(),
                           "recorded_on": [fake.fake_recorded_stream(k) for k in range(3)]}}))
     """)
@@ -318,6 +322,9 @@ def test_ddp_buckets_on_the_nccl_engine(fake, as_view):
     # adds one for each bucket the fake has not yet seen complete).
     assert result["stream_waits"] >= 2 * result["buckets"], result
     assert 99 in result["recorded_on"], result
+    # Not yet on a device: the used-parameter map is host memory.
+    assert result["unused"][0] == "NotImplementedError", result
+    assert "find_unused_parameters=True" in result["unused"][1], result
 
 
 def test_communicator_setup_has_a_deadline(fake):
