@@ -72,6 +72,7 @@ typedef struct {
     unsigned char *ready;     /* nparams flags */
     PyObject *reduce_work;    /* Work of the reduce-scatter in flight, or NULL */
     PyObject *after_reduce;   /* (group, dtype, redop, tensor, stream): HSDP's all-reduce */
+    PyObject *current_stream; /* a device unit's () -> torch.cuda.Stream, or NULL */
     /* Profiler ranges: the unit's name in them, and the ranges open now. */
     PyObject *label;          /* str */
     PyObject *gather_range;   /* while UNIT_UNSHARDING, when a profiler recorded at unshard */
@@ -80,13 +81,18 @@ typedef struct {
 
 static PyObject *unit_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
-    static char *keywords[] = {"group", "nparams", "gather_stream", "reduce_stream", NULL};
-    PyObject *group;
+    static char *keywords[] = {"group", "nparams", "gather_stream", "reduce_stream",
+                               "current_stream", NULL};
+    PyObject *group, *current_stream = Py_None;
     Py_ssize_t nparams;
     int gather_stream = 0, reduce_stream = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "On|ii:Unit", keywords, &group, &nparams,
-                                     &gather_stream, &reduce_stream))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "On|ii$O:Unit", keywords, &group, &nparams,
+                                     &gather_stream, &reduce_stream, &current_stream))
         return NULL;
+    if (current_stream != Py_None && !PyCallable_Check(current_stream)) {
+        PyErr_SetString(PyExc_TypeError, "Unit: current_stream must be None or a callable");
+        return NULL;
+    }
     dptc_module_state *st = dptc_state_from_type(type);
     dptc_group *g = dptc_group_from_object(st, group, "group");
     if (!g)
@@ -113,6 +119,7 @@ static PyObject *unit_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
         return NULL;
     }
     self->group = Py_NewRef(group);
+    self->current_stream = current_stream == Py_None ? NULL : Py_NewRef(current_stream);
     self->gather_stream = gather_stream;
     self->reduce_stream = reduce_stream;
     self->nparams = nparams;
@@ -121,25 +128,32 @@ static PyObject *unit_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     return (PyObject *)self;
 }
 
-/* group.submit(op, dtype, redop, input, output, count, root, stream).
- * Returns a new reference to the Work. */
-static PyObject *submit(PyObject *group, int op, PyObject *dtype, PyObject *redop,
-                        PyObject *input, PyObject *output, PyObject *count, int stream)
+/* group.submit(op, dtype, redop, input, output, count, root, stream[,
+ * cuda_stream]): a device unit's collectives follow its current stream
+ * (current_stream(), see [Note: the NCCL transport] in nccl.h).  Returns a
+ * new reference to the Work. */
+static PyObject *submit(UnitObject *self, PyObject *group, int op, PyObject *dtype,
+                        PyObject *redop, PyObject *input, PyObject *output, PyObject *count,
+                        int stream)
 {
     PyObject *values[3] = {PyLong_FromLong(op), PyLong_FromLong(0), PyLong_FromLong(stream)};
+    PyObject *cuda_stream = self->current_stream ? PyObject_CallNoArgs(self->current_stream)
+                                                 : NULL;
     PyObject *work = NULL;
-    if (values[0] && values[1] && values[2]) {
+    if (values[0] && values[1] && values[2] && (cuda_stream || !self->current_stream)) {
         PyObject *call[] = {group,  values[0], dtype,     redop,    input,
-                            output, count,     values[1], values[2]};
+                            output, count,     values[1], values[2], cuda_stream};
         PyObject *name = PyUnicode_FromString("submit");
         if (name) {
-            work = PyObject_VectorcallMethod(name, call, 9 | PY_VECTORCALL_ARGUMENTS_OFFSET,
+            size_t nargs = cuda_stream ? 10 : 9;
+            work = PyObject_VectorcallMethod(name, call, nargs | PY_VECTORCALL_ARGUMENTS_OFFSET,
                                              NULL);
             Py_DECREF(name);
         }
     }
     for (int i = 0; i < 3; i++)
         Py_XDECREF(values[i]);
+    Py_XDECREF(cuda_stream);
     return work;
 }
 
@@ -196,7 +210,7 @@ static PyObject *unit_unshard(UnitObject *self, PyObject *const *args, Py_ssize_
         return NULL;
     PyObject *zero = PyLong_FromLong(0);
     if (zero)
-        self->gather_work = submit(self->group, DPTC_OP_ALL_GATHER, args[0], zero, args[1],
+        self->gather_work = submit(self, self->group, DPTC_OP_ALL_GATHER, args[0], zero, args[1],
                                    args[2], args[3], self->gather_stream);
     Py_XDECREF(zero);
     if (!self->gather_work) {
@@ -290,7 +304,7 @@ static PyObject *unit_reduce(UnitObject *self, PyObject *const *args, Py_ssize_t
     }
     if (unit_open_range(self, &self->reduce_range, "dptc::reduce_scatter") < 0)
         return NULL;
-    self->reduce_work = submit(self->group, DPTC_OP_REDUCE_SCATTER, args[0], args[1],
+    self->reduce_work = submit(self, self->group, DPTC_OP_REDUCE_SCATTER, args[0], args[1],
                                args[2], args[3], args[4], self->reduce_stream);
     if (!self->reduce_work) {
         unit_close_range(self, &self->reduce_range);  /* keeps submit's exception */
@@ -323,7 +337,7 @@ static int run_after_reduce(UnitObject *self)
     PyObject *work = NULL;
     if (count && !(stream == -1 && PyErr_Occurred()) &&
         unit_open_range(self, &range, "dptc::all_reduce") == 0)
-        work = submit(group, DPTC_OP_ALL_REDUCE, PyTuple_GET_ITEM(after, 1),
+        work = submit(self, group, DPTC_OP_ALL_REDUCE, PyTuple_GET_ITEM(after, 1),
                       PyTuple_GET_ITEM(after, 2), tensor, tensor, count, (int)stream);
     if (work)
         rc = finish(&work);
@@ -389,6 +403,7 @@ static int unit_traverse(UnitObject *self, visitproc visit, void *arg)
     Py_VISIT(self->gather_work);
     Py_VISIT(self->reduce_work);
     Py_VISIT(self->after_reduce);
+    Py_VISIT(self->current_stream);
     Py_VISIT(self->label);
     Py_VISIT(self->gather_range);
     Py_VISIT(self->reduce_range);
@@ -401,6 +416,7 @@ static int unit_clear(UnitObject *self)
     Py_CLEAR(self->gather_work);   /* a Work's dealloc waits for its collective */
     Py_CLEAR(self->reduce_work);
     Py_CLEAR(self->after_reduce);
+    Py_CLEAR(self->current_stream);
     Py_CLEAR(self->label);
     Py_CLEAR(self->gather_range);  /* dropping a handle ends its range */
     Py_CLEAR(self->reduce_range);

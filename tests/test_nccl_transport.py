@@ -217,7 +217,7 @@ def test_fully_shard_units_run_on_the_nccl_engine(fake):
     .device_engine); here, at world size 1, CPU parameters are routed to it as if they were on
     device 0, so the gathers and reduce-scatters go through the transport and the fake.  Two
     steps of AdamW train a float64 GPT exactly as single-process training does, and every
-    unit's collective was ordered on the (fake) streams."""
+    unit's collective was ordered after the current (fake) stream."""
     result = _run(fake, """
         import copy, socket
         from tests.workers_fsdp import max_rel
@@ -231,6 +231,7 @@ def test_fully_shard_units_run_on_the_nccl_engine(fake):
         from examples.gpt import GPT, build_gpt
         dptc.init_process_group()
         _unit.Unit.engine = lambda self, group: group.device_engine(torch.device("cuda", 0))
+        _unit.Unit.current_stream = lambda self: (lambda: Stream(77))
         torch.manual_seed(0)
         model = build_gpt(vocab=64, d_model=32, n_layer=2, n_head=4, ctx=16).double()
         ref = copy.deepcopy(model)
@@ -249,10 +250,12 @@ def test_fully_shard_units_run_on_the_nccl_engine(fake):
                       [p.detach() for p in ref.parameters()])
         dptc.destroy_process_group()
         print(json.dumps({"rel": rel, "inits": fake.fake_inits(),
-                          "stream_waits": fake.fake_stream_waits()}))
+                          "stream_waits": fake.fake_stream_waits(),
+                          "recorded_on": [fake.fake_recorded_stream(k) for k in range(3)]}))
     """)
     assert result["rel"] <= 1e-12, result
     assert result["inits"] == 1, result
+    assert 77 in result["recorded_on"], result     # the units' collectives follow it
     # Every gather and reduce-scatter waits on its issuer's stream (3 units, 2 steps).
     assert result["stream_waits"] >= 2 * 3 * 2, result
 

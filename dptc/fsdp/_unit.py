@@ -95,8 +95,8 @@ class _Bucket:
     """The parameters of a unit that share (original, compute, reduce) dtypes: one shard buffer,
     one C state machine, one all-gather and one reduce-scatter each."""
 
-    def __init__(self, params, orig_dtype, compute_dtype, reduce_dtype, engine, num_streams,
-                 size):
+    def __init__(self, params, orig_dtype, compute_dtype, reduce_dtype, engine, current_stream,
+                 num_streams, size):
         self.params = params
         self.orig_dtype = orig_dtype
         self.compute_dtype = compute_dtype
@@ -110,7 +110,8 @@ class _Bucket:
         self.gathered = [p for p in params if p.piece > 0]   # params with rows to move
         self.flat = None                     # shard buffer, orig dtype
         self.c = _C.Unit(engine, len(params), gather_stream=0,
-                         reduce_stream=1 if num_streams > 1 else 0)
+                         reduce_stream=1 if num_streams > 1 else 0,
+                         current_stream=current_stream)
         self.reduce_output = None            # the reduce-scatter's output until finalized
         self.reduce_had_grad = None          # which parameters had a gradient to reduce
         self.redop = None                    # of the reduction in flight
@@ -180,8 +181,8 @@ class Unit:
             if mp_policy.reduce_dtype is not None and p.orig_dtype.is_floating_point:
                 reduce = mp_policy.reduce_dtype
             by_dtypes.setdefault((p.orig_dtype, compute, reduce), []).append(p)
-        self.buckets = [_Bucket(ps, *dtypes, self.engine(shard_group), shard_group.num_streams,
-                                size)
+        self.buckets = [_Bucket(ps, *dtypes, self.engine(shard_group), self.current_stream(),
+                                shard_group.num_streams, size)
                         for dtypes, ps in by_dtypes.items()]
         self.divide_factor = None
         self.label = "unit"              # its name in profiler ranges, see set_label
@@ -192,6 +193,13 @@ class Unit:
     def engine(self, group):
         """The C engine that moves this unit's tensors in `group`."""
         return group.device_engine(self.device) if self.device.type == "cuda" else group._c
+
+    def current_stream(self):
+        """For a CUDA unit, what its collectives follow: () -> the current CUDA stream."""
+        if self.device.type != "cuda":
+            return None
+        device = self.device
+        return lambda: torch.cuda.current_stream(device)
 
     # -- layout -------------------------------------------------------------------------------
 
