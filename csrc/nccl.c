@@ -169,7 +169,7 @@ static void sleep_seconds(double s)
     nanosleep(&ts, NULL);
 }
 
-/* "all_reduce float32 sum of 10 elements (collective #3 of stream 0)". */
+/* "all_reduce float32 SUM of 10 elements, root 0 (collective #3 of the stream)". */
 static void describe(const record *r, char *out, size_t size)
 {
     const char *op = r->op >= 0 && r->op < DPTC_OP_COUNT ? dptc_op_name((dptc_op)r->op) : "?";
@@ -341,7 +341,8 @@ static dptc_status end(nccl_transport *t, const dptc_order *order, dptc_completi
     return DPTC_OK;
 }
 
-/* One collective: begin, the NCCL call(s) of `body`, end; under t->lock. */
+/* One collective: begin, the order check, the NCCL call(s) of `body`, end;
+ * under t->lock. */
 typedef dptc_status (*enqueue_fn)(nccl_transport *t, const dptc_coll *c, dptc_cuda_stream stream,
                                   int dtype, int redop, dptc_error *err);
 
@@ -368,7 +369,6 @@ static dptc_status collective(dptc_transport *base, const dptc_order *order, con
     pthread_mutex_unlock(&t->lock);
     return status;
 }
-
 
 static dptc_status enqueue_all_reduce(nccl_transport *t, const dptc_coll *c,
                                       dptc_cuda_stream stream, int dtype, int redop,
