@@ -236,3 +236,29 @@ def test_dropped_work_keeps_its_tensor_until_the_collective_is_over(outcome):
         assert timeout - 0.2 <= r0["drop_elapsed"] < timeout + SLACK_S, r0
         assert r1["error"] is not None and r1["error"]["type"] == "PeerLostError", r1
         assert r1["elapsed"] < SLACK_S, r1
+
+
+# ---------------------------------------------------------------------------------------------
+# The reducer's step end
+
+def test_interrupted_backward_keeps_in_place_gradients_until_the_step_ends():
+    """Rank 0's backward raises after the second layer's bucket was launched, all-reducing
+    that layer's .grad in place, while rank 1 is 1.5 s late.  Rank 0 drops its .grad; the
+    reducer still holds it.  Rank 0's next forward raises at once (the step was interrupted),
+    aborting the group before the reducer lets the gradient go; memory rank 0 fills afterwards
+    stays untouched when rank 1 comes, and rank 1 raises PeerLostError at once.
+
+    Old behaviour: the step's end released the gradients with the all-reduce still queued, and
+    rank 1's arrival completed it, writing the average into freed memory."""
+    r0, r1 = run_ranks("tests.workers_edges:interrupted_step_end", 2,
+                       args={"late_s": DROP_LATE_S}, timeout=60)
+    assert r0["buckets"] == r1["buckets"] == 2, (r0, r1)
+    assert r0["backward_error"]["type"] == "ValueError", r0
+    assert r0["held_by_reducer"], r0
+    assert r0["forward_error"]["type"] == "RuntimeError", r0
+    assert "interrupted" in r0["forward_error"]["message"], r0
+    assert r0["forward_s"] < SLACK_S, r0
+    assert r0["released_after"], r0
+    assert r0["junk_intact"], r0
+    assert r1["error"] is not None and r1["error"]["type"] == "PeerLostError", r1
+    assert r1["elapsed"] < SLACK_S, r1

@@ -273,3 +273,80 @@ def dropped_work(late_s: float, count: int):
     during = [is_alive for at, is_alive in samples if at < returned - 0.05]
     return {"drop_elapsed": returned - started, "samples_during": len(during),
             "alive_during": all(during), "alive_after": alive() is not None}
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. The reducer's step end after an interrupted backward
+
+class _BoomNet(torch.nn.Module):
+    """Two layers; with `boom` set, the backward raises between them."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = torch.nn.Linear(256, 256), torch.nn.Linear(256, 256)
+        self.boom = False
+
+    def forward(self, x):
+        hidden = self.first(x)
+        return self.second(_Boom.apply(hidden) if self.boom else hidden)
+
+
+class _Boom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, value):
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise ValueError("backward interrupted on purpose")
+
+
+def interrupted_step_end(late_s: float):
+    """DDP over two layers, each its own bucket.  Rank 0's backward raises between them: the
+    second layer's gradient is already being all-reduced in place (its bucket launched), and
+    rank 1 issues its backward only `late_s` seconds later.  Rank 0 drops its own reference to
+    that gradient; the reducer must keep it until the all-reduce is over.  Its next forward
+    ends the interrupted step (aborting the group first, so the all-reduce stops at once) and
+    only then lets the gradient go.  Rank 0 then fills fresh memory and, once rank 1 is
+    through, reports whether anything wrote into it."""
+    import weakref
+
+    import dptc
+    rank = dptc.get_rank()
+    torch.manual_seed(0)
+    model = _BoomNet()
+    ddp = dptc.DistributedDataParallel(model, bucket_cap_mb=0.2)
+    x = torch.randn(8, 256)
+    if rank == 1:
+        time.sleep(late_s)
+        started = time.monotonic()
+        try:
+            ddp(x).sum().backward()
+            error = None
+        except Exception as caught:  # noqa: BLE001 - reported to the test
+            error = _error(caught)
+        return {"error": error, "elapsed": time.monotonic() - started,
+                "buckets": len(ddp._buckets)}
+    model.boom = True
+    try:
+        ddp(x).sum().backward()
+        backward_error = None
+    except Exception as caught:  # noqa: BLE001
+        backward_error = _error(caught)
+    grad = weakref.ref(model.second.weight.grad)
+    model.zero_grad(set_to_none=True)
+    held_by_reducer = grad() is not None
+    started = time.monotonic()
+    try:
+        ddp(x)
+        forward_error = None
+    except Exception as caught:  # noqa: BLE001
+        forward_error = _error(caught)
+    forward_s = time.monotonic() - started
+    released_after = grad() is None
+    junk = [torch.full((256 * 256,), 7.0) for _ in range(32)]
+    time.sleep(late_s + 1.0)
+    return {"backward_error": backward_error, "held_by_reducer": held_by_reducer,
+            "forward_error": forward_error, "forward_s": forward_s,
+            "released_after": released_after, "buckets": len(ddp._buckets),
+            "junk_intact": all(bool((j == 7.0).all()) for j in junk)}
