@@ -196,3 +196,13 @@ def test_prefetch_options_place_the_gathers():
             assert result[label]["rel"] <= FLOAT64_TOLERANCE, (label, result[label])
             assert result[label]["log"] == _expected_prefetch_log(forward_prefetch, backward), \
                 (label, result[label]["log"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error of a CPU-only torch")
+def test_cuda_device_id_without_cuda_is_a_clear_error():
+    """device_id naming a CUDA device on a torch that sees none: ValueError naming the argument
+    and the remedy, before any group is needed."""
+    from dptc import FullyShardedDataParallel
+    with pytest.raises(ValueError, match=r"device_id=0 names a CUDA device, but this torch sees "
+                                         r"none .*pass device_id=None or 'cpu'"):
+        FullyShardedDataParallel(torch.nn.Linear(4, 4), device_id=0)

@@ -112,6 +112,10 @@ def _device_of(module, device_id):
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"device_id={device_id!r}: dptc's FullyShardedDataParallel shards "
                              f"on the CPU or a CUDA device")
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device_id={device_id!r} names a CUDA device, but this torch sees "
+                             f"none (torch {torch.__version__}); pass device_id=None or 'cpu' "
+                             f"to shard on the CPU")
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         return device
