@@ -130,13 +130,15 @@ class DistributedDataParallel(nn.Module):
     Parameters (and buffers, with ``broadcast_buffers``) are copied from rank 0 at
     construction; buffers again before each forward.
 
-    Supported: CPU modules; ``bucket_cap_mb``; ``find_unused_parameters``;
+    Supported: CPU modules, and modules on one CUDA device (``device_ids`` None or that
+    device's index; their buckets live on the device and go through NCCL, see [Note: buckets
+    on a device] in csrc/reducer.c); ``bucket_cap_mb``; ``find_unused_parameters`` (CPU);
     ``gradient_as_bucket_view``; ``broadcast_buffers``; ``static_graph`` (accepted, runs like
     the default path); ``no_sync()`` and ``require_backward_grad_sync``; ``register_comm_hook``
     with the all-reduce, fp16 and bf16 compression hooks (see dptc.comm_hooks).
     ``process_group`` may be any group dptc accepts (a dptc or torch group, a DeviceMesh
     dimension), or ``device_mesh`` a one-dimensional mesh.
-    Not supported, with an error saying so: ``device_ids`` (GPU modules),
+    Not supported, with an error saying so: ``find_unused_parameters`` on a CUDA module,
     ``delay_all_reduce_named_params``/``param_to_hook_all_reduce``, ``mixed_precision`` (use
     torch.autocast), arbitrary comm hooks.
     """
