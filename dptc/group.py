@@ -127,6 +127,9 @@ class ProcessGroup:
                           self.timeout, self.num_streams, self.ranks,
                           nccl_id=self._store.get(key), device=index)
         self._nccl[index] = engine
+        threading.Thread(target=_watch_device_failure,
+                         args=(engine, dist.PrefixStore(key + "/", self._store)),
+                         name="dptc-nccl-abort-watch", daemon=True).start()
         return engine
 
     def abort(self, reason):
@@ -361,6 +364,27 @@ def _watch_failure(engine, store):
                 store.compare_set("abort", "", failure)
             except Exception:  # noqa: BLE001 - the store may be gone with the job
                 pass
+            return
+
+
+def _watch_device_failure(engine, store):
+    """A NCCL group's failure on one rank reaches the others through the store: the failing
+    rank writes its message under "abort", and every other rank aborts its own communicator
+    when it sees one, so its waits end within ABORT_POLL_S instead of at its deadline (NCCL
+    itself need not notice a peer that stopped)."""
+    while not engine.closed:
+        time.sleep(ABORT_POLL_S)
+        try:
+            failure = engine.failure()
+            if failure is not None:
+                store.compare_set("abort", "", failure)
+                return
+            if store.check(["abort"]):
+                reason = store.get("abort").decode("utf-8", "replace")
+                if not engine.closed:
+                    engine.abort(f"a peer's NCCL group failed: {reason}")
+                return
+        except Exception:  # noqa: BLE001 - the store or the engine went with the job
             return
 
 

@@ -371,3 +371,18 @@ def test_collective_order_is_checked_on_the_device(fake):
     assert "rank 0 issued all_reduce float32 SUM of 4 elements" in message, message
     assert "(collective #1 of the stream)" in message, message
     assert result["later"][0] == "CollectiveMismatchError", result
+
+
+def test_a_peers_failure_ends_a_stuck_wait(fake):
+    """Two ranks, each NCCL engine against the fake.  Rank 1 waits on a collective its device
+    never finishes, with a 30 s timeout; rank 0 aborts the group after 0.5 s.  Rank 0's failure
+    reaches rank 1 through the store (NCCL itself need not notice a peer that stopped), which
+    aborts its communicator: rank 1 raises within a few seconds naming rank 0's reason, not at
+    its deadline."""
+    from tests._launch import run_ranks
+    _, r1 = run_ranks("tests.workers_nccl:peer_abort", 2, args={"delay_s": 0.5},
+                      env={"DPTC_NCCL_LIBRARY": fake, "DPTC_CUDART_LIBRARY": fake,
+                           "DPTC_TIMEOUT": 30}, timeout=90)
+    assert r1["error"] is not None, r1
+    assert "rank 0 gave up on purpose" in r1["error"]["message"], r1
+    assert r1["waited_s"] < 5.0, r1          # its deadline is 30 s away

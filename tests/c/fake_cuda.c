@@ -87,7 +87,10 @@ int cudaMemcpyAsync(void *dst, const void *src, size_t bytes, int kind, void *st
 int cudaRuntimeGetVersion(int *v) { *v = 12080; return 0; }
 int cudaDriverGetVersion(int *v) { *v = 12090; return 0; }
 
-/* ---- NCCL, one rank ---- */
+/* ---- NCCL: every rank's collectives complete on their own ---- *
+ * A communicator of n ranks runs each rank's collectives alone: a rank's
+ * all-gather writes its piece into every rank's place, so the order check's
+ * records agree; the other collectives copy.  Right numbers need n = 1. */
 typedef struct { char internal[128]; } unique_id;
 
 static size_t element_size(int dtype)
@@ -115,10 +118,14 @@ int ncclCommInitRank(void **comm, int nranks, unique_id id, int rank)
         struct timespec pause = {0, 1000000};
         nanosleep(&pause, NULL);
     }
-    if (nranks != 1 || rank != 0 || id.internal[0] != 'F')
-        return 5; /* ncclInvalidUsage: the fake has one rank */
-    *comm = malloc(1);
-    return *comm ? 0 : 2;
+    if (nranks < 1 || rank < 0 || rank >= nranks || id.internal[0] != 'F')
+        return 5; /* ncclInvalidUsage */
+    int *ranks = malloc(sizeof *ranks);
+    if (!ranks)
+        return 2;
+    *ranks = nranks;
+    *comm = ranks;
+    return 0;
 }
 int ncclCommAbort(void *comm) { calls_abort++; free(comm); return 0; }
 int ncclCommDestroy(void *comm) { calls_destroy++; free(comm); return 0; }
@@ -135,8 +142,10 @@ int ncclReduceScatter(const void *s, void *r, size_t n, int dt, int op, void *c,
 }
 int ncclAllGather(const void *s, void *r, size_t n, int dt, void *c, void *st)
 {
-    (void)c, (void)st;
-    int rc = copy(s, r, n, dt);
+    (void)st;
+    int rc = 0;
+    for (int k = 0; k < *(int *)c && rc == 0; k++)
+        rc = copy(s, (char *)r + k * n * element_size(dt), n, dt);
     if (corrupt_gather && n) {
         ((unsigned char *)r)[0] ^= 0x5a;
         corrupt_gather = 0;
