@@ -38,7 +38,7 @@ def _sweep(impl, world_size):
         try:
             _sweeps[key] = run_ranks("tests.workers_collectives:sweep", world_size,
                                      args={"impl": impl, "seed": SEED, "large": True},
-                                     timeout=SWEEP_TIMEOUT_S)
+                                     timeout=SWEEP_TIMEOUT_S, reference=impl == "torch")
         except AssertionError as error:
             _sweeps[key] = error
     if isinstance(_sweeps[key], AssertionError):

@@ -122,7 +122,7 @@ def _group_results(impl, group):
             _launches[key] = run_ranks(
                 "tests.workers_ddp:train_cases", world_size,
                 args={"impl": impl, "scenarios": scenarios, "init_torch": init_torch},
-                timeout=LAUNCH_TIMEOUT_S)
+                timeout=LAUNCH_TIMEOUT_S, reference=impl == "torch")
         except AssertionError as error:
             _launches[key] = error
     outcome = _launches[key]
@@ -256,7 +256,8 @@ def test_missing_gradient_raises(impl):
     find_unused_parameters, on every rank, soon (torch: at the next forward; dptc may already
     raise at the end of the backward), never a hang."""
     outcomes = run_ranks("tests.workers_ddp:missing_grad_case", 2,
-                         args={"impl": impl, "init_torch": False}, timeout=60)
+                         args={"impl": impl, "init_torch": False}, timeout=60,
+                         reference=impl == "torch")
     for rank, outcome in enumerate(outcomes):
         print(f"{impl} rank {rank}: {outcome}")
         assert outcome["raised"], f"rank {rank}: trained 3 steps without an error"
