@@ -40,6 +40,11 @@ PRELUDE = """
         return _C.Group(0, 1, 0, 1, 0, 1, "", False, 1, timeout, streams, [0],
                         nccl_id=_C.nccl_unique_id(), device=0)
 
+    def world_of_one():                # this process as torchrun's rank 0 of 1
+        from tests._launch import free_port
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+
     def error(call):
         try:
             call()
@@ -219,13 +224,9 @@ def test_fully_shard_units_run_on_the_nccl_engine(fake):
     steps of AdamW train a float64 GPT exactly as single-process training does, and every
     unit's collective was ordered after the current (fake) stream."""
     result = _run(fake, """
-        import copy, socket
+        import copy
         from tests.workers_fsdp import max_rel
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        world_of_one()
         import dptc
         from dptc.fsdp import _unit
         from examples.gpt import GPT, build_gpt
@@ -272,13 +273,9 @@ def test_ddp_buckets_on_the_nccl_engine(fake, as_view):
     does, with and without gradient_as_bucket_view; find_unused_parameters=True is refused
     there for now."""
     result = _run(fake, f"""
-        import copy, socket
+        import copy
         from tests.workers_fsdp import max_rel
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        world_of_one()
         import dptc
         from dptc import ddp
         from examples.gpt import GPT, build_gpt
