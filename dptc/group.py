@@ -21,7 +21,6 @@ import secrets
 import socket
 import sys
 import threading
-import time
 import weakref
 
 import torch
@@ -77,6 +76,7 @@ class ProcessGroup:
         self.num_streams = num_streams
         self._c = engine
         self._nccl = {}                # CUDA device index -> its NCCL engine, made on first use
+        self._watchers = []            # threads passing failures through the store (_Watcher)
         self.torch_group = torch_group
         self._store = store
         _groups.add(self)
@@ -127,9 +127,8 @@ class ProcessGroup:
                           self.timeout, self.num_streams, self.ranks,
                           nccl_id=self._store.get(key), device=index)
         self._nccl[index] = engine
-        threading.Thread(target=_watch_device_failure,
-                         args=(engine, dist.PrefixStore(key + "/", self._store)),
-                         name="dptc-nccl-abort-watch", daemon=True).start()
+        self._watchers.append(_Watcher("dptc-nccl-abort-watch", _watch_device_failure, engine,
+                                       dist.PrefixStore(key + "/", self._store)))
         return engine
 
     def abort(self, reason):
@@ -139,6 +138,11 @@ class ProcessGroup:
                 engine.abort(str(reason))
 
     def close(self):
+        # The watchers go first: one still inside a store call while the process exits and
+        # torch tears the store down makes libstdc++ abort the process.
+        for watcher in self._watchers:
+            watcher.stop()
+        self._watchers.clear()
         for engine in (*self._nccl.values(), self._c):
             engine.close()
 
@@ -351,41 +355,59 @@ def _make_bridge(engine, store, stream, local_rank, local_size, nnodes, cross, r
     return bridge
 
 
+class _Watcher:
+    """A thread that calls `check(engine, store)` every ABORT_POLL_S until it returns True,
+    the engine closes, or stop() is called.  stop() joins it, so no store call is still
+    running when the group's owner tears the store down (at exit, that aborts the process)."""
+
+    JOIN_S = 10.0      # a store call on a live store returns in milliseconds
+
+    def __init__(self, name, check, engine, store):
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(check, engine, store),
+                                        name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self, check, engine, store):
+        while not self._stopping.wait(ABORT_POLL_S) and not engine.closed:
+            try:
+                if check(engine, store):
+                    return
+            except Exception:  # noqa: BLE001 - the store or the engine went with the job
+                return
+
+    def stop(self):
+        self._stopping.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(self.JOIN_S)
+
+
 def _watch_failure(engine, store):
     """Writes the group's first failure under the store's "abort" key, so that members on
-    other nodes stop waiting in gloo within ABORT_POLL_S (see _wait_bridged)."""
-    while not engine.closed:
-        time.sleep(ABORT_POLL_S)
-        if engine.closed:
-            return
-        failure = engine.failure()
-        if failure is not None:
-            try:
-                store.compare_set("abort", "", failure)
-            except Exception:  # noqa: BLE001 - the store may be gone with the job
-                pass
-            return
+    other nodes stop waiting in gloo within ABORT_POLL_S (see _wait_bridged).  True when
+    done."""
+    failure = engine.failure()
+    if failure is None:
+        return False
+    store.compare_set("abort", "", failure)
+    return True
 
 
 def _watch_device_failure(engine, store):
     """A NCCL group's failure on one rank reaches the others through the store: the failing
     rank writes its message under "abort", and every other rank aborts its own communicator
     when it sees one, so its waits end within ABORT_POLL_S instead of at its deadline (NCCL
-    itself need not notice a peer that stopped)."""
-    while not engine.closed:
-        time.sleep(ABORT_POLL_S)
-        try:
-            failure = engine.failure()
-            if failure is not None:
-                store.compare_set("abort", "", failure)
-                return
-            if store.check(["abort"]):
-                reason = store.get("abort").decode("utf-8", "replace")
-                if not engine.closed:
-                    engine.abort(f"a peer's NCCL group failed: {reason}")
-                return
-        except Exception:  # noqa: BLE001 - the store or the engine went with the job
-            return
+    itself need not notice a peer that stopped).  True when done."""
+    failure = engine.failure()
+    if failure is not None:
+        store.compare_set("abort", "", failure)
+        return True
+    if store.check(["abort"]):
+        reason = store.get("abort").decode("utf-8", "replace")
+        if not engine.closed:
+            engine.abort(f"a peer's NCCL group failed: {reason}")
+        return True
+    return False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -422,8 +444,6 @@ def _open_engine(store, ranks, me, timeout, num_streams):
                 cross = _cross_group(store, stream, local_rank, node, nnodes, timeout)
                 engine.set_bridge(stream, _make_bridge(engine, store, stream, local_rank,
                                                        local_size, nnodes, cross, ranks))
-            threading.Thread(target=_watch_failure, args=(engine, store),
-                             name="dptc-abort-watch", daemon=True).start()
     except BaseException:
         # A creator whose engine failed to open has removed its segment already (shm.c).
         if engine is not None:
@@ -438,9 +458,12 @@ def _make_group(store, ranks, timeout, torch_group):
     num_streams = _env_int("DPTC_STREAMS", DEFAULT_STREAMS, 1, 4)
     engine, (rank, node, nnodes, local_rank, local_size) = _open_engine(
         store, ranks, me, timeout, num_streams)
-    return ProcessGroup(ranks=ranks, rank=rank, local_rank=local_rank, local_size=local_size,
-                        node=node, nnodes=nnodes, timeout=timeout, engine=engine,
-                        torch_group=torch_group, store=store, num_streams=num_streams)
+    pg = ProcessGroup(ranks=ranks, rank=rank, local_rank=local_rank, local_size=local_size,
+                      node=node, nnodes=nnodes, timeout=timeout, engine=engine,
+                      torch_group=torch_group, store=store, num_streams=num_streams)
+    if nnodes > 1:
+        pg._watchers.append(_Watcher("dptc-abort-watch", _watch_failure, engine, store))
+    return pg
 
 
 def init_process_group(backend=None, init_method=None, timeout=None, world_size=-1, rank=-1,

@@ -45,6 +45,10 @@ PRELUDE = """
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
 
+    def watchers():                    # dptc's threads still running
+        import threading
+        return [t.name for t in threading.enumerate() if t.name.startswith("dptc-")]
+
     def error(call):
         try:
             call()
@@ -250,12 +254,15 @@ def test_fully_shard_units_run_on_the_nccl_engine(fake):
         rel = max_rel([p.full_tensor() for p in model.parameters()],
                       [p.detach() for p in ref.parameters()])
         dptc.destroy_process_group()
-        print(json.dumps({"rel": rel, "inits": fake.fake_inits(),
+        print(json.dumps({"rel": rel, "inits": fake.fake_inits(), "watchers": watchers(),
                           "stream_waits": fake.fake_stream_waits(),
                           "recorded_on": [fake.fake_recorded_stream(k) for k in range(3)]}))
     """)
     assert result["rel"] <= 1e-12, result
     assert result["inits"] == 1, result
+    # The group's abort watcher is joined by destroy_process_group: a watcher still inside a
+    # store call when torch tears the store down at exit aborts the process.
+    assert result["watchers"] == [], result
     assert 77 in result["recorded_on"], result     # the units' collectives follow it
     # Every gather and reduce-scatter waits on its issuer's stream (3 units, 2 steps).
     assert result["stream_waits"] >= 2 * 3 * 2, result
@@ -311,6 +318,7 @@ def test_ddp_buckets_on_the_nccl_engine(fake, as_view):
                                                            find_unused_parameters=True))
         dptc.destroy_process_group()
         print(json.dumps({{"rel": rel, "buckets": buckets, "unused": unused,
+                          "watchers": watchers(),
                           "inits": fake.fake_inits(),
                           "stream_waits": fake.fake_stream_waits(),
                           "recorded_on": [fake.fake_recorded_stream(k) for k in range(3)]}}))
@@ -318,6 +326,7 @@ def test_ddp_buckets_on_the_nccl_engine(fake, as_view):
     assert result["rel"] <= 1e-12, result
     assert result["buckets"] > 2, result
     assert result["inits"] == 1, result
+    assert result["watchers"] == [], result
     # Each bucket's all-reduce waits on the current stream at launch (the end-of-backward wait
     # adds one for each bucket the fake has not yet seen complete).
     assert result["stream_waits"] >= 2 * result["buckets"], result

@@ -185,8 +185,12 @@ def many_rounds(count: int):
     error = ((out.double() - want).abs().max() / want.abs().max()).item()
     if not error < 1e-6:
         failures.append(f"float reduce_scatter_tensor AVG: max relative difference {error:.3g}")
-    return {"failures": failures, "float_rs_avg_rel_diff": error,
-            "nnodes": dptc.group.default_group().nnodes}
+    nnodes = dptc.group.default_group().nnodes
+    dptc.destroy_process_group()
+    import threading
+    watchers = [t.name for t in threading.enumerate() if t.name.startswith("dptc-")]
+    return {"failures": failures, "float_rs_avg_rel_diff": error, "nnodes": nnodes,
+            "watchers_after_destroy": watchers}
 
 
 # ---------------------------------------------------------------------------------------------
