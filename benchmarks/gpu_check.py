@@ -43,7 +43,8 @@ Sections:
                 implementation (5 warm-up steps, 20 timed): median step time (synchronised
                 around each step) and torch.cuda.max_memory_allocated (reset before each, with
                 only that implementation alive); parameters after the steps against the
-                unwrapped model's.
+                unwrapped model's.  Then dptc's DDP once more with find_unused_parameters=True
+                (its used map all-reduced on the device), against the same two.
 4. fsdp         fully_shard on each block then the root, MixedPrecisionPolicy(param_dtype=
                 bfloat16, reduce_dtype=float32), same model: torch's fully_shard on NCCL, then
                 dptc's; parameters against torch's, step time and peak memory as ratios.
@@ -783,9 +784,10 @@ def torch_ddp(initial, device):
     return DistributedDataParallel(to_device(initial, device), device_ids=device.device_ids)
 
 
-def dptc_ddp(initial, device):
+def dptc_ddp(initial, device, **options):
     import dptc
-    return dptc.DistributedDataParallel(to_device(initial, device), device_ids=device.device_ids)
+    return dptc.DistributedDataParallel(to_device(initial, device), device_ids=device.device_ids,
+                                        **options)
 
 
 def section_ddp(args, device, rows):
@@ -810,6 +812,13 @@ def section_ddp(args, device, rows):
         rows.add(result_row("ddp", "ddp dptc", dptc_run, args, start, reference,
                             peers=[reference, ("torch", torch_run)],
                             targets=[("step", "unwrapped", 1.02), ("step", "torch", 1.00)]))
+    # find_unused_parameters: the used map is all-reduced on the device; every parameter is
+    # used, so the host never waits for it ([Note: unused parameters on a device]).
+    unused_run = attempt(rows, "ddp", "ddp dptc find_unused",
+                         train(lambda: dptc_ddp(initial, device, find_unused_parameters=True)))
+    if unused_run is not None:
+        rows.add(result_row("ddp", "ddp dptc find_unused", unused_run, args, start, reference,
+                            peers=[reference, ("torch", torch_run)]))
 
 
 def sharded(initial, device, fully_shard, policy):

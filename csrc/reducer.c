@@ -73,8 +73,18 @@
  * stream (current_stream(), called at launch), and the end-of-backward
  * callback makes the current stream wait for the buckets instead of the
  * host.  Gradients are copied into the buckets (no [Note: gradients in
- * place]); find_unused_parameters is refused there for now (its used map is
- * host memory).
+ * place]).
+ *
+ * [Note: unused parameters on a device]
+ * With find_unused_parameters on device buckets, the used map is built on
+ * the host as above, then staged into a device tensor on the current stream
+ * by ddp.py (_stage_used_map: pinned host bytes, an asynchronous copy) and
+ * all-reduced there after the last bucket.  The host needs the reduced map
+ * only when some parameter was unused here (as in torch's reducer): only
+ * then does the end-of-backward callback wait for it on the host, within
+ * the group's deadline, and copy it back; otherwise every parameter was
+ * used somewhere, and the current stream just waits for the map like a
+ * bucket.  A view-grad that nobody used is restored from a device clone.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -133,6 +143,8 @@ typedef struct {
     char *saved;         /* with gradient_as_bucket_view: the view's bytes
                             before the reduce, restored if no rank used it
                             (PyMem_RawMalloc) */
+    PyObject *saved_tensor; /* the same for device buckets: a clone of the
+                               view (owned) */
 } param_slot;
 
 typedef struct {
@@ -195,6 +207,11 @@ struct ReducerObject {
                                   look for no completions */
     uint8_t *used_map;         /* nslots bytes, reduced by the engine thread */
     dptc_work *used_work;
+    PyObject *stage_used_map;  /* device only: (bytes) -> the device tensor
+                                  holding them, see [Note: unused parameters
+                                  on a device] */
+    PyObject *used_device;     /* that tensor, kept while its all-reduce may
+                                  run (owned) */
 
     /* Order of the first synced backward, for the one bucket rebuild */
     Py_ssize_t *order;
@@ -445,10 +462,14 @@ static void step_leak_unfinished(ReducerObject *r)
         b->work = NULL;  /* its reference is leaked with it */
     }
     if (r->used_work) {
-        /* The old map stays with the work; the reducer gets a fresh one. */
-        uint8_t *fresh = PyMem_RawCalloc((size_t)r->nslots + 1, 1);
-        if (fresh)
-            r->used_map = fresh;
+        if (r->used_device) {
+            dptc_leak(r->used_device);
+        } else {
+            /* The old map stays with the work; the reducer gets a fresh one. */
+            uint8_t *fresh = PyMem_RawCalloc((size_t)r->nslots + 1, 1);
+            if (fresh)
+                r->used_map = fresh;
+        }
         r->used_work = NULL;
     }
 }
@@ -503,6 +524,7 @@ static void step_end(ReducerObject *r)
             PyMem_RawFree(s->saved);
             s->saved = NULL;
         }
+        Py_CLEAR(s->saved_tensor);
     }
     r->next_launch = 0;
     r->state = STEP_IDLE;
@@ -746,6 +768,22 @@ exit:
     return DPTC_ERR_PYTHON;
 }
 
+/* Device buckets: makes `stream` wait for *work, a bucket's (or the used
+ * map's) all-reduce, while the host does not, or reports its failure, and
+ * lets go of the work: the tensor outlives it, and the stream orders every
+ * later use of the tensor after it.  Runs WITHOUT the GIL. */
+static dptc_status work_complete_device(dptc_work **work, void *stream, dptc_error *err)
+{
+    if (!*work)
+        return DPTC_OK;
+    void *completion = dptc_work_device_completion(*work);
+    dptc_status status = completion ? dptc_nccl_stream_wait(completion, stream, err)
+                                    : dptc_work_wait(*work, 0, err);
+    dptc_work_release(*work);
+    *work = NULL;
+    return status;
+}
+
 /* With find_unused_parameters: marks every parameter that is not ready
  * (with its current .grad, which does not make it used), launches the rest
  * of the buckets and then the used map.  GIL held. */
@@ -766,7 +804,11 @@ static dptc_status launch_unused(ReducerObject *r, dptc_error *err)
         param_slot *s = &r->slots[i];
         r->used_map[i] = (uint8_t)(s->used != 0);
         /* A view-grad that nobody used must come back unchanged. */
-        if (!s->used && s->grad_is_view && s->nbytes) {
+        if (!s->used && s->grad_is_view && s->nbytes && r->device) {
+            s->saved_tensor = PyObject_CallMethod(s->view, "clone", NULL);
+            if (!s->saved_tensor)
+                return DPTC_ERR_PYTHON;
+        } else if (!s->used && s->grad_is_view && s->nbytes) {
             s->saved = PyMem_RawMalloc(s->nbytes);
             if (!s->saved)
                 return dptc_fail(err, DPTC_ERR_NOMEM, "out of memory saving a gradient");
@@ -781,7 +823,69 @@ static dptc_status launch_unused(ReducerObject *r, dptc_error *err)
     dptc_coll coll = {.op = DPTC_OP_ALL_REDUCE, .dtype = DPTC_UINT8, .redop = DPTC_MAX,
                       .input = r->used_map, .output = r->used_map,
                       .count = (size_t)r->nslots, .root = 0};
-    return dptc_group_submit(g, 0, &coll, &r->used_work, err);
+    if (!r->device)
+        return dptc_group_submit(g, 0, &coll, &r->used_work, err);
+    /* See [Note: unused parameters on a device]. */
+    PyObject *flags = PyBytes_FromStringAndSize((const char *)r->used_map, r->nslots);
+    if (!flags)
+        return DPTC_ERR_PYTHON;
+    PyObject *staged = PyObject_CallOneArg(r->stage_used_map, flags);
+    Py_DECREF(flags);
+    if (!staged)
+        return DPTC_ERR_PYTHON;
+    Py_XSETREF(r->used_device, staged);
+    void *data;
+    size_t count;
+    CHECK(dptc_tensor_data(staged, &data));
+    CHECK(dptc_tensor_numel(staged, &count));
+    if (count != (size_t)r->nslots) {
+        PyErr_Format(PyExc_RuntimeError, "Reducer: stage_used_map returned %zu elements for %zd "
+                     "parameters", count, r->nslots);
+        return DPTC_ERR_PYTHON;
+    }
+    coll.input = coll.output = data;
+    CHECK(current_stream(r, &coll.device_stream));
+    dptc_status status;
+    Py_BEGIN_ALLOW_THREADS
+    status = dptc_group_submit(g, 0, &coll, &r->used_work, err);
+    Py_END_ALLOW_THREADS
+    return status;
+}
+
+/* Device buckets: finishes the used map's all-reduce (see [Note: unused
+ * parameters on a device]).  When every parameter was used here, the map
+ * is all ones and `stream` only waits for it; otherwise the host waits for
+ * it within `timeout` and copies it back into used_map.  GIL held. */
+static dptc_status used_map_complete_device(ReducerObject *r, void *stream, double timeout,
+                                            dptc_error *err)
+{
+    int all_used = 1;
+    for (Py_ssize_t i = 0; i < r->nslots && all_used; i++)
+        all_used = r->used_map[i] != 0;
+    dptc_status status;
+    if (all_used) {
+        Py_BEGIN_ALLOW_THREADS
+        status = work_complete_device(&r->used_work, stream, err);
+        Py_END_ALLOW_THREADS
+        return status;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    status = dptc_work_wait(r->used_work, timeout, err);
+    Py_END_ALLOW_THREADS
+    if (!dptc_work_is_completed(r->used_work))
+        return status;  /* step_end leaks the map with the work */
+    dptc_work_release(r->used_work);
+    r->used_work = NULL;
+    CHECK(status);
+    PyObject *host = PyObject_CallMethod(r->used_device, "cpu", NULL);
+    if (!host)
+        return DPTC_ERR_PYTHON;
+    void *data;
+    status = dptc_tensor_data(host, &data);
+    if (status == DPTC_OK)
+        memcpy(r->used_map, data, (size_t)r->nslots);
+    Py_DECREF(host);
+    return status;
 }
 
 /* Whether slot i's reduced value goes to its .grad. */
@@ -814,22 +918,6 @@ static dptc_status bucket_complete(ReducerObject *r, bucket *b, double timeout, 
     return DPTC_OK;
 }
 
-/* Device buckets: makes `stream` wait for bucket b's all-reduce (the host
- * does not), or reports its failure, and lets go of the work: the bucket
- * outlives it, and the stream orders every later use of the bucket after
- * it.  Runs WITHOUT the GIL. */
-static dptc_status bucket_complete_device(bucket *b, void *stream, dptc_error *err)
-{
-    if (!b->work)
-        return DPTC_OK;
-    void *completion = dptc_work_device_completion(b->work);
-    dptc_status status = completion ? dptc_nccl_stream_wait(completion, stream, err)
-                                    : dptc_work_wait(b->work, 0, err);
-    dptc_work_release(b->work);
-    b->work = NULL;
-    return status;
-}
-
 /* Waits for everything, in launch order, copying each bucket back as soon
  * as it is done and closing its range, if open, then.  Called with the GIL
  * held; releases it (and takes it back only to close a range). */
@@ -846,8 +934,10 @@ static dptc_status wait_and_copy_back(ReducerObject *r, dptc_error *err)
     double start = dptc_now();
     dptc_watch watch;
     dptc_watch_signals(&watch);
+    if (r->used_work && r->device)
+        status = used_map_complete_device(r, stream, timeout, err);
     Py_BEGIN_ALLOW_THREADS
-    if (r->used_work) {
+    if (r->used_work && !r->device) {
         /* The map decides which copies happen; it was launched last. */
         status = dptc_work_wait(r->used_work, timeout, err);
         if (dptc_work_is_completed(r->used_work)) {
@@ -856,7 +946,7 @@ static dptc_status wait_and_copy_back(ReducerObject *r, dptc_error *err)
         }
     }
     for (Py_ssize_t i = 0; i < r->nbuckets && status == DPTC_OK; i++) {
-        status = r->device ? bucket_complete_device(&r->buckets[i], stream, err)
+        status = r->device ? work_complete_device(&r->buckets[i].work, stream, err)
                            : bucket_complete(r, &r->buckets[i], timeout, err);
         if (status == DPTC_OK && r->buckets[i].range) {
             Py_BLOCK_THREADS
@@ -882,6 +972,8 @@ static dptc_status write_back_python(ReducerObject *r)
         if (!slot_globally_used(r, i)) {
             if (s->saved)
                 copy_bytes(r->buckets[s->bucket].data + s->offset, s->saved, s->nbytes);
+            if (s->saved_tensor)
+                CHECK(tensor_call(s->view, "copy_", s->saved_tensor));
             continue;
         }
         if (s->grad_is_view)
@@ -988,22 +1080,26 @@ static PyObject *reducer_new(PyTypeObject *type, PyObject *args, PyObject *kwarg
 {
     static char *keywords[] = {"group", "params", "names", "dtypes", "queue_callback",
                                "find_unused_parameters", "gradient_as_bucket_view",
-                               "current_stream", NULL};
+                               "current_stream", "stage_used_map", NULL};
     PyObject *group, *params, *names, *dtypes, *queue_callback, *stream_fn = Py_None;
+    PyObject *stage_fn = Py_None;
     int find_unused, as_view;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO!O!O!Opp|$O:Reducer", keywords, &group,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO!O!O!Opp|$OO:Reducer", keywords, &group,
                                      &PyList_Type, &params, &PyList_Type, &names, &PyList_Type,
                                      &dtypes, &queue_callback, &find_unused, &as_view,
-                                     &stream_fn))
+                                     &stream_fn, &stage_fn))
         return NULL;
     dptc_module_state *st = dptc_state_from_type(type);
     if (!dptc_group_from_object(st, group, "group"))
         return NULL;
     int device = dptc_group_object_is_device(group);
-    if (device && (find_unused || !PyCallable_Check(stream_fn))) {
-        PyErr_SetString(find_unused ? PyExc_NotImplementedError : PyExc_TypeError,
-                        find_unused ? "Reducer: find_unused_parameters on device buckets"
-                                    : "Reducer: device buckets need current_stream, a callable");
+    if (device && !PyCallable_Check(stream_fn)) {
+        PyErr_SetString(PyExc_TypeError, "Reducer: device buckets need current_stream, a callable");
+        return NULL;
+    }
+    if (device && find_unused && !PyCallable_Check(stage_fn)) {
+        PyErr_SetString(PyExc_TypeError, "Reducer: find_unused_parameters on device buckets "
+                                         "needs stage_used_map, a callable");
         return NULL;
     }
     Py_ssize_t n = PyList_GET_SIZE(params);
@@ -1022,6 +1118,7 @@ static PyObject *reducer_new(PyTypeObject *type, PyObject *args, PyObject *kwarg
     r->queue_callback = Py_NewRef(queue_callback);
     r->device = device;
     r->current_stream = device ? Py_NewRef(stream_fn) : NULL;
+    r->stage_used_map = device && find_unused ? Py_NewRef(stage_fn) : NULL;
     r->find_unused = find_unused;
     r->as_view = as_view;
     r->comm = COMM_PLAIN;
@@ -1410,6 +1507,8 @@ static int reducer_traverse(PyObject *op, visitproc visit, void *arg)
     Py_VISIT(r->group);
     Py_VISIT(r->queue_callback);
     Py_VISIT(r->current_stream);
+    Py_VISIT(r->stage_used_map);
+    Py_VISIT(r->used_device);
     Py_VISIT(r->hooks);
     Py_VISIT(r->handles);
     for (Py_ssize_t i = 0; i < r->nslots; i++) {
@@ -1417,6 +1516,7 @@ static int reducer_traverse(PyObject *op, visitproc visit, void *arg)
         Py_VISIT(r->slots[i].name);
         Py_VISIT(r->slots[i].view);
         Py_VISIT(r->slots[i].grad);
+        Py_VISIT(r->slots[i].saved_tensor);
     }
     for (Py_ssize_t j = 0; j < r->nbuckets; j++) {
         Py_VISIT(r->buckets[j].tensor);
@@ -1450,6 +1550,8 @@ static int reducer_clear(PyObject *op)
     }
     Py_CLEAR(r->queue_callback);
     Py_CLEAR(r->current_stream);
+    Py_CLEAR(r->stage_used_map);
+    Py_CLEAR(r->used_device);
     Py_CLEAR(r->group);
     return 0;
 }
@@ -1494,11 +1596,13 @@ static PyGetSetDef reducer_getset[] = {
 
 PyDoc_STRVAR(reducer_doc,
 "Reducer(group, params, names, dtypes, queue_callback, find_unused_parameters,\n"
-"        gradient_as_bucket_view)\n--\n\n"
+"        gradient_as_bucket_view, *, current_stream=None, stage_used_map=None)\n--\n\n"
 "DDP's gradient reducer (see dptc/ddp.py).  params: the parameters to reduce,\n"
 "deduplicated, all requiring grad; names: their names for errors; dtypes: dptc\n"
 "dtype codes; queue_callback: torch.autograd.Variable._execution_engine.queue_callback.\n"
-"Call set_buckets, then register_hooks.");
+"A device group (device buckets) also takes current_stream, () -> torch.cuda.Stream,\n"
+"and with find_unused_parameters stage_used_map, (bytes) -> the device tensor\n"
+"holding them.  Call set_buckets, then register_hooks.");
 
 static PyType_Slot reducer_slots[] = {
     {Py_tp_new, reducer_new},

@@ -132,13 +132,13 @@ class DistributedDataParallel(nn.Module):
 
     Supported: CPU modules, and modules on one CUDA device (``device_ids`` None or that
     device's index; their buckets live on the device and go through NCCL, see [Note: buckets
-    on a device] in csrc/reducer.c); ``bucket_cap_mb``; ``find_unused_parameters`` (CPU);
+    on a device] in csrc/reducer.c); ``bucket_cap_mb``; ``find_unused_parameters``;
     ``gradient_as_bucket_view``; ``broadcast_buffers``; ``static_graph`` (accepted, runs like
     the default path); ``no_sync()`` and ``require_backward_grad_sync``; ``register_comm_hook``
     with the all-reduce, fp16 and bf16 compression hooks (see dptc.comm_hooks).
     ``process_group`` may be any group dptc accepts (a dptc or torch group, a DeviceMesh
     dimension), or ``device_mesh`` a one-dimensional mesh.
-    Not supported, with an error saying so: ``find_unused_parameters`` on a CUDA module,
+    Not supported, with an error saying so:
     ``delay_all_reduce_named_params``/``param_to_hook_all_reduce``, ``mixed_precision`` (use
     torch.autocast), arbitrary comm hooks.
     """
@@ -186,11 +186,6 @@ class DistributedDataParallel(nn.Module):
         self.device = _check_devices(params, device_ids, output_device)
         self.device_type = self.device.type
         cuda = self.device_type == "cuda"
-        if cuda and self.find_unused_parameters:
-            raise NotImplementedError(
-                "DistributedDataParallel(find_unused_parameters=True) on a CUDA module is not "
-                "implemented by dptc yet; make every parameter receive a gradient, or use "
-                "torch's DistributedDataParallel")
         self.device_ids = [self.device.index] if cuda else None
         self.output_device = self.device_ids[0] if cuda else None
         codes = [dtype_code(p.dtype, f"parameter {name!r}") for p, name in zip(params, names)]
@@ -210,11 +205,16 @@ class DistributedDataParallel(nn.Module):
         engine = self.process_group.device_engine(self.device) if cuda else \
             self.process_group._c
         device = self.device
+        device_kwargs = {}
+        if cuda:
+            device_kwargs["current_stream"] = lambda: torch.cuda.current_stream(device)
+            if self.find_unused_parameters:
+                self._used_map = self._bucket_tensor(len(params), torch.uint8)
+                device_kwargs["stage_used_map"] = self._stage_used_map
         self._reducer = _C.Reducer(engine, params, names, codes,
                                    torch.autograd.Variable._execution_engine.queue_callback,
                                    self.find_unused_parameters, self.gradient_as_bucket_view,
-                                   current_stream=(lambda: torch.cuda.current_stream(device))
-                                   if cuda else None)
+                                   **device_kwargs)
         self._install_buckets(list(reversed(range(len(params)))))
         self._reducer.register_hooks()
 
@@ -304,6 +304,18 @@ class DistributedDataParallel(nn.Module):
             return torch.zeros(numel, dtype=dtype, device=self.device)
         # Shared with the local peers: the all-reduce needs no staging copies.
         return self.process_group.empty_shared(numel, dtype)
+
+    def _stage_used_map(self, flags):
+        """A CUDA module's used-parameter map (`flags`, one byte per parameter) copied into
+        device memory on the current stream, for the reducer to all-reduce there (see [Note:
+        unused parameters on a device] in csrc/reducer.c).  The host bytes are pinned, so the
+        copy does not wait for the stream; torch's pinned-memory cache keeps them until the
+        copy is done."""
+        host = torch.frombuffer(bytearray(flags), dtype=torch.uint8)
+        if torch.cuda.is_available():
+            host = host.pin_memory()
+        self._used_map.copy_(host, non_blocking=True)
+        return self._used_map
 
     def _push_buckets(self):
         compress = {COMM_FP16: torch.float16,

@@ -277,8 +277,8 @@ def test_ddp_buckets_on_the_nccl_engine(fake, as_view):
     copied in and out with torch, every bucket's all-reduce ordered after the current stream,
     the end of backward making that stream wait.  Two steps (the first with a no_sync
     micro-batch, then bucket rebuild) train a float64 GPT exactly as single-process training
-    does, with and without gradient_as_bucket_view; find_unused_parameters=True is refused
-    there for now."""
+    does, with and without gradient_as_bucket_view; so does a model with unused parameters
+    under find_unused_parameters=True, its used map all-reduced on the device."""
     result = _run(fake, f"""
         import copy
         from tests.workers_fsdp import max_rel
@@ -314,10 +314,49 @@ def test_ddp_buckets_on_the_nccl_engine(fake, as_view):
         rel = max_rel([p.detach() for p in model.parameters()],
                       [p.detach() for p in ref.parameters()])
         buckets = len(wrapped._buckets)
-        unused = error(lambda: ddp.DistributedDataParallel(copy.deepcopy(ref),
-                                                           find_unused_parameters=True))
+
+        # find_unused_parameters, five steps: a is always used, b on steps 1, 3 and 4, c and d
+        # on step 4 only; from step 2 on, the fake's "peer" uses d (its uint8 MAX all-reduces
+        # take the maximum with fake_set_peer_max's bytes, here d.weight and d.bias, slots 6
+        # and 7).  Step 4 uses everything, so the host does not wait for the map there.
+        class Branchy(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                for name in "abcd":
+                    setattr(self, name, torch.nn.Linear(8, 8).double())
+            def forward(self, x, names):
+                x = torch.tanh(self.a(x))
+                for name in names:
+                    x = getattr(self, name)(x)
+                return x.pow(2).sum()
+        plan = ["", "b", "", "b", "bcd"]
+        torch.manual_seed(2)
+        branchy = Branchy()
+        plain = copy.deepcopy(branchy)
+        unused_ddp = ddp.DistributedDataParallel(branchy, find_unused_parameters=True,
+                                                 bucket_cap_mb=0.001,
+                                                 gradient_as_bucket_view={as_view})
+        sgds = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (unused_ddp, plain)]
+        seen = []
+        for step, names in enumerate(plan):
+            if step == 2:
+                peer = (ctypes.c_ubyte * 8)(0, 0, 0, 0, 0, 0, 1, 1)
+                fake.fake_set_peer_max(peer, ctypes.c_size_t(8))
+            x = torch.randn(4, 8, dtype=torch.float64, generator=generator)
+            for m in (unused_ddp, plain):
+                m(x, names).backward()
+            seen.append({{name: None if p.grad is None else max_rel([p.grad], [q.grad])
+                                if q.grad is not None else float(p.grad.abs().sum())
+                         for (name, p), q in zip(branchy.named_parameters(),
+                                                 plain.parameters())}})
+            for opt in sgds:
+                opt.step()
+                opt.zero_grad()
+        unused_rel = max_rel([p.detach() for p in branchy.parameters()],
+                             [p.detach() for p in plain.parameters()])
         dptc.destroy_process_group()
-        print(json.dumps({{"rel": rel, "buckets": buckets, "unused": unused,
+        print(json.dumps({{"rel": rel, "buckets": buckets, "seen": seen,
+                          "unused_rel": unused_rel,
                           "watchers": watchers(),
                           "inits": fake.fake_inits(),
                           "stream_waits": fake.fake_stream_waits(),
@@ -331,9 +370,22 @@ def test_ddp_buckets_on_the_nccl_engine(fake, as_view):
     # adds one for each bucket the fake has not yet seen complete).
     assert result["stream_waits"] >= 2 * result["buckets"], result
     assert 99 in result["recorded_on"], result
-    # Not yet on a device: the used-parameter map is host memory.
-    assert result["unused"][0] == "NotImplementedError", result
-    assert "find_unused_parameters=True" in result["unused"][1], result
+    # find_unused_parameters on device buckets ([Note: unused parameters on a device]):
+    # trained as single-process training, b's gradient on the steps that use it too.
+    # seen[step][name]: None for no .grad; the relative difference from the reference's .grad;
+    # or, where the reference has none, the sum of |.grad|.
+    assert result["unused_rel"] <= 1e-12, result
+    plan = ["", "b", "", "b", "bcd"]
+    for step, (names, seen) in enumerate(zip(plan, result["seen"])):
+        for layer in "abcd":
+            for name in (f"{layer}.weight", f"{layer}.bias"):
+                if layer == "a" or layer in names:
+                    assert seen[name] is not None and seen[name] <= 1e-12, (step, name, result)
+                elif layer == "d" and step >= 2:
+                    # Used by the peer only: .grad appears, the average of this rank's zeros.
+                    assert seen[name] == 0.0, (step, name, result)
+                else:
+                    assert seen[name] is None, (step, name, result)   # unused everywhere
 
 
 def test_communicator_setup_has_a_deadline(fake):

@@ -16,6 +16,9 @@ static int hang;            /* events recorded while set complete only once it i
 static int async_error;     /* what ncclCommGetAsyncError reports */
 static volatile int init_blocks;   /* ncclCommInitRank waits while set (a missing member) */
 static int corrupt_gather;  /* the next all-gather's first byte comes back changed */
+#define PEER_BYTES 64
+static unsigned char peer_bytes[PEER_BYTES];  /* a peer's part of uint8 MAX all-reduces */
+static size_t peer_count;
 static long calls_stream_wait, calls_abort, calls_destroy, calls_init;
 #define RECORDS 4
 static void *recorded_on[RECORDS];   /* the streams of the last event records, newest first */
@@ -26,6 +29,14 @@ void fake_set_hang(int on) { hang = on; }
 void fake_set_async_error(int result) { async_error = result; }
 void fake_set_init_blocks(int on) { init_blocks = on; }
 void fake_set_corrupt_gather(int on) { corrupt_gather = on; }
+/* Until called again with n = 0, every uint8 MAX all-reduce of at least n
+ * elements also takes the maximum with these n bytes, as if a peer had sent
+ * them (DDP's used-parameter map). */
+void fake_set_peer_max(const unsigned char *bytes, size_t n)
+{
+    peer_count = n < PEER_BYTES ? n : PEER_BYTES;
+    memcpy(peer_bytes, bytes, peer_count);
+}
 long fake_stream_waits(void) { return calls_stream_wait; }
 long fake_aborts(void) { return calls_abort; }
 long fake_destroys(void) { return calls_destroy; }
@@ -132,8 +143,13 @@ int ncclCommDestroy(void *comm) { calls_destroy++; free(comm); return 0; }
 int ncclCommGetAsyncError(void *comm, int *result) { (void)comm; *result = async_error; return 0; }
 int ncclAllReduce(const void *s, void *r, size_t n, int dt, int op, void *c, void *st)
 {
-    (void)op, (void)c, (void)st;
-    return copy(s, r, n, dt);
+    (void)c, (void)st;
+    int result = copy(s, r, n, dt);
+    if (result == 0 && dt == 1 /* ncclUint8 */ && op == 2 /* ncclMax */ && n >= peer_count)
+        for (size_t i = 0; i < peer_count; i++)
+            if (peer_bytes[i] > ((unsigned char *)r)[i])
+                ((unsigned char *)r)[i] = peer_bytes[i];
+    return result;
 }
 int ncclReduceScatter(const void *s, void *r, size_t n, int dt, int op, void *c, void *st)
 {
