@@ -21,7 +21,7 @@ import subprocess
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-SOURCES = [ROOT / "tests" / "c" / "test_engine.c"] + [
+SOURCES = [ROOT / "tests" / "c" / "test_engine.c", ROOT / "tests" / "c" / "no_bridge.c"] + [
     ROOT / "csrc" / name for name in ("engine.c", "shm.c", "reduce.c", "common.c")]
 FLAGS = ["-std=c11", "-O1", "-g", "-D_GNU_SOURCE", "-pthread", "-Wall", "-Wextra", "-Werror"]
 # reduce.c's target_clones become ifunc resolvers, which the loader runs before

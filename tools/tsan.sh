@@ -12,7 +12,7 @@ cc=${CC:-gcc}
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 flags=(-std=c11 -O1 -g -D_GNU_SOURCE -pthread -Wall -Wextra -Werror)
-sources=(tests/c/test_engine.c csrc/engine.c csrc/shm.c csrc/reduce.c csrc/common.c)
+sources=(tests/c/test_engine.c tests/c/no_bridge.c csrc/engine.c csrc/shm.c csrc/reduce.c csrc/common.c)
 
 # reduce.c's target_clones become ifunc resolvers that the loader runs before the TSan
 # runtime is initialised (they crash instrumented); the portable build has no clones.

@@ -3,8 +3,8 @@
  * AddressSanitizer with UBSan) can watch the engine's queues, progress
  * threads, failure record and the transport's shared-buffer table.
  *
- * Built from this file, csrc/engine.c, csrc/shm.c, csrc/reduce.c and
- * csrc/common.c, and run, by tests/test_engine_tsan.py and tools/tsan.sh.
+ * Built from this file, tests/c/no_bridge.c, csrc/engine.c, csrc/shm.c,
+ * csrc/reduce.c and csrc/common.c, and run, by tests/test_engine_tsan.py and tools/tsan.sh.
  * Usage: test_engine [ops_per_stream [deadline_s]].  Exits 0 when every
  * check passes.
  *
@@ -63,28 +63,6 @@
 #define MAX_REPORTS 30
 #define DEFAULT_OPS 160
 #define DEFAULT_DEADLINE_S 120
-
-/* ------------------------------------------------------------------ */
-/* One-node groups never reach the cross-node bridge (bridge.c needs Python). */
-
-dptc_status dptc_bridge_call(dptc_bridge *b, dptc_bridge_op op, dptc_dtype dtype,
-                             dptc_redop redop, size_t offset, size_t offset2, size_t count,
-                             int root, dptc_error *err)
-{
-    (void)b, (void)op, (void)dtype, (void)redop, (void)offset, (void)offset2, (void)count,
-        (void)root;
-    return dptc_fail(err, DPTC_ERR_INVALID, "test_engine: a one-node group called the bridge");
-}
-
-dptc_status dptc_bridge_check(dptc_bridge *b, dptc_op op, dptc_dtype dtype, dptc_redop redop,
-                              size_t count, uint64_t seq, int root, const char *text,
-                              dptc_error *err)
-{
-    (void)b, (void)op, (void)dtype, (void)redop, (void)count, (void)seq, (void)root, (void)text;
-    return dptc_fail(err, DPTC_ERR_INVALID, "test_engine: a one-node group checked the bridge");
-}
-
-void dptc_bridge_free(dptc_bridge *b) { (void)b; }
 
 /* ------------------------------------------------------------------ */
 /* Reporting (per rank process) */
