@@ -16,6 +16,7 @@ import subprocess
 
 import pytest
 
+from tests._cc import c_compiler
 from tests._launch import REPO_ROOT
 
 SOURCES = [REPO_ROOT / "tests" / "c" / name for name in ("abort_record.c", "no_bridge.c")] + [
@@ -29,10 +30,7 @@ REASON = "abort_record: " + "the reason, written whole before the status is publ
 
 
 def test_the_status_is_published_after_the_whole_reason(tmp_path):
-    compiler = next((shutil.which(n) for n in (os.environ.get("CC"), "cc", "gcc", "clang")
-                     if n and shutil.which(n)), None)
-    if compiler is None:
-        pytest.skip("no C compiler found; install gcc or set CC to build tests/c/abort_record.c")
+    compiler = c_compiler("build tests/c/abort_record.c")
     gdb = shutil.which("gdb")
     if gdb is None:
         pytest.skip("gdb is not installed (apt-get install gdb); it steps the aborting rank")

@@ -20,6 +20,7 @@ import subprocess
 
 import pytest
 
+from tests._cc import c_compiler
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SOURCES = [ROOT / "tests" / "c" / "test_engine.c", ROOT / "tests" / "c" / "no_bridge.c"] + [
     ROOT / "csrc" / name for name in ("engine.c", "shm.c", "reduce.c", "common.c")]
@@ -43,11 +44,7 @@ int main(void) { pthread_t t; pthread_create(&t, 0, touch, 0); pthread_join(t, 0
 
 
 def _compiler():
-    for name in (os.environ.get("CC"), "gcc", "cc", "clang"):
-        path = name and shutil.which(name)
-        if path:
-            return path
-    pytest.skip("no C compiler found; install gcc or set CC to run the engine sanitizer tests")
+    return c_compiler("run the engine sanitizer tests")
 
 
 def _environment(**extra):

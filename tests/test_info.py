@@ -15,7 +15,6 @@ this machine has no CUDA).
 
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -25,6 +24,7 @@ import pytest
 
 import dptc
 from dptc import _cuda
+from tests._cc import c_compiler
 from tests._launch import REPO_ROOT, run_torchrun_nodes
 
 TIMEOUT_S = 90
@@ -86,11 +86,7 @@ def _run_json(*code, **env):
 
 
 def _compiler():
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        path = name and shutil.which(name)
-        if path:
-            return path
-    pytest.skip("no C compiler found; install gcc or set CC to build the stub libraries")
+    return c_compiler("build the stub libraries")
 
 
 def _build_stub(directory, soname, functions, omit=()):

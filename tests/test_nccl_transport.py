@@ -11,13 +11,13 @@ benchmarks/gpu_check.py's.
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
 
 import pytest
 
+from tests._cc import c_compiler
 from tests._launch import REPO_ROOT
 
 TIMEOUT_S = 90
@@ -60,10 +60,7 @@ PRELUDE = """
 
 @pytest.fixture(scope="module")
 def fake(tmp_path_factory):
-    compiler = next((shutil.which(n) for n in (os.environ.get("CC"), "cc", "gcc", "clang")
-                     if n and shutil.which(n)), None)
-    if compiler is None:
-        pytest.skip("no C compiler found; install gcc or set CC to build tests/c/fake_cuda.c")
+    compiler = c_compiler("build tests/c/fake_cuda.c")
     library = tmp_path_factory.mktemp("fake-cuda") / "libfakecuda.so"
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     done = subprocess.run([compiler, "-shared", "-fPIC", "-O1", "-o", str(library),

@@ -16,6 +16,7 @@ import sysconfig
 
 import pytest
 
+from tests._cc import c_compiler
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SOURCES = [ROOT / "tests" / "c" / "test_reduce.c", ROOT / "csrc" / "reduce.c",
            ROOT / "csrc" / "common.c"]
@@ -43,12 +44,7 @@ RUN_TIMEOUT_S = 900
 
 
 def _compiler():
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        path = name and shutil.which(name)
-        if path:
-            return path
-    pytest.skip("no C compiler found; install one or set CC to run the "
-                "reduction kernel tests")
+    return c_compiler("run the reduction kernel tests")
 
 
 def _environment():
