@@ -16,8 +16,12 @@ that the machine's noise falls on all of them alike:
     torch comm  torch.distributed.all_reduce of the gradient bytes, in bucket_cap_mb pieces
     dptc comm   dptc.all_reduce of the same, on a shared buffer as dptc's DDP buckets are
 
-Each phase's time is the median over its timed steps of the slowest rank's step.  The share
-of the communication hidden behind backward is
+Each phase's time is the median over its timed steps of the slowest rank's step.  The ranks
+meet before each turn at dptc's barrier, which lets them go within microseconds of each other
+(with --impl torch, at gloo's); --sync gloo meets at torch.distributed's barrier on gloo
+instead, after which a step that synchronises the ranks (either DDP) measured about 1 to 1.5 ms
+slower, as gloo's ranks leave its barrier further apart.  The share of the communication
+hidden behind backward is
 
     hidden = 1 - (ddp_step - compute_step) / comm_time, clipped to [0, 1]
 
@@ -71,11 +75,16 @@ def parse_args(argv):
                              "(default 1: the phases take turns every step)")
     parser.add_argument("--bucket-view", action="store_true",
                         help="gradient_as_bucket_view=True on both wrappers")
+    parser.add_argument("--sync", choices=("dptc", "gloo"),
+                        help="the barrier the ranks meet at before each turn (default: dptc's; "
+                             "gloo's with --impl torch)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     parser.add_argument("--timeout", type=float, default=600,
                         help="torch.distributed init timeout in seconds (default 600)")
     args = parser.parse_args(argv)
+    if args.sync is None:
+        args.sync = "dptc" if args.impl == "dptc" else "gloo"
     for name in ("steps", "block", "batch"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
@@ -135,8 +144,9 @@ def gradient_pieces(model, bucket_cap_mb, allocate=None):
 # ---------------------------------------------------------------------------------------------
 # Timing
 
-def run_phases(phases, args):
-    """Warms every phase up, then times them interleaved; returns {name: [seconds per step]}."""
+def run_phases(phases, args, barrier):
+    """Warms every phase up, then times them interleaved, the ranks meeting at `barrier` before
+    each turn; returns {name: [seconds per step]}."""
     for step in phases.values():
         for _ in range(args.warmup):
             step()
@@ -147,7 +157,7 @@ def run_phases(phases, args):
         order = names if block_index % 2 == 0 else names[::-1]
         for name in order:
             count = min(args.block, args.steps - len(samples[name]))
-            dist.barrier()
+            barrier()
             for _ in range(count):
                 start = time.perf_counter()
                 phases[name]()
@@ -217,7 +227,8 @@ def main(argv=None):
         "torch comm": lambda: comm_step(dist.all_reduce, pieces),
         f"{label} comm": lambda: comm_step(test_all_reduce, test_pieces),
     }
-    samples = run_phases(phases, args)
+    barrier = import_dptc().barrier if args.sync == "dptc" else dist.barrier
+    samples = run_phases(phases, args, barrier)
     medians = {name: slowest_rank_median(s) for name, s in samples.items()}
     # Both wrapped copies started equal and took the same steps on the same batches.
     drift = torch.tensor([max_parameter_difference(models["torch"], models["test"])],
@@ -276,7 +287,7 @@ def main(argv=None):
                            "max_parameter_difference": drift.item(),
                            "args": vars(args)}, f, indent=1)
     dist.barrier()
-    if args.impl == "dptc":
+    if "dptc" in (args.impl, args.sync):
         import_dptc().destroy_process_group()
     if dist.is_initialized():
         dist.destroy_process_group()

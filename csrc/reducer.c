@@ -190,6 +190,8 @@ struct ReducerObject {
     PyObject *current_stream;  /* device only: () -> torch.cuda.Stream */
     int find_unused;
     int as_view;               /* gradient_as_bucket_view */
+    int overlap;               /* launch full buckets during backward; else
+                                  all at its end, see [Note: overlap] */
     comm_mode comm;
 
     /* Parameters and buckets */
@@ -426,10 +428,28 @@ static dptc_status bucket_launch(ReducerObject *r, bucket *b, dptc_error *err)
     return dptc_group_submit(g, 0, &coll, &b->work, err);
 }
 
+/* [Note: overlap]
+ * A bucket is normally launched as soon as it is full, so that its
+ * all-reduce runs on the engine's progress thread while autograd goes on.
+ * That pays only where the progress thread has a core of its own.  With as
+ * many ranks as cores (2 ranks on 2 cores), each progress thread takes its
+ * core from its own backward, and a large all-reduce, cut into rounds that
+ * every rank's progress thread must pass together, goes at the pace of the
+ * scheduler.  Measured there (benchmarks/ddp_step.py, alternating runs),
+ * launching every bucket at the end of backward instead, when the main
+ * threads only wait, made the step 1 to 3 % faster on average (single runs
+ * scatter by a few percent either way).  ddp.py chooses (overlap = False where a
+ * CPU group's node has fewer than two cores per local rank; DPTC_DDP_OVERLAP
+ * overrides); the buckets, their order and the numbers are the same either
+ * way. */
+
 /* Submits every full bucket from next_launch on, stopping at the first one
- * that is not full.  GIL held. */
+ * that is not full; during backward (at_end = 0) only with overlap.  GIL
+ * held. */
 static dptc_status launch_ready_buckets(ReducerObject *r, int at_end, dptc_error *err)
 {
+    if (!at_end && !r->overlap)
+        return DPTC_OK;
     while (r->next_launch < r->nbuckets && r->buckets[r->next_launch].pending == 0) {
         CHECK(bucket_launch(r, &r->buckets[r->next_launch], err));
         r->next_launch++;
@@ -1121,6 +1141,7 @@ static PyObject *reducer_new(PyTypeObject *type, PyObject *args, PyObject *kwarg
     r->stage_used_map = device && find_unused ? Py_NewRef(stage_fn) : NULL;
     r->find_unused = find_unused;
     r->as_view = as_view;
+    r->overlap = 1;
     r->comm = COMM_PLAIN;
     r->state = STEP_IDLE;
     r->slots = PyMem_Calloc((size_t)n + 1, sizeof *r->slots);
@@ -1426,6 +1447,9 @@ static PyObject *finalize_step(ReducerObject *r)
     } else if (check_all_ready(r) != DPTC_OK) {
         return NULL; /* the group is aborted and the step ended */
     }
+    status = launch_ready_buckets(r, 1, &err);  /* what waited, see [Note: overlap] */
+    if (status != DPTC_OK)
+        return step_fail(r, status, &err);
     status = wait_and_copy_back(r, &err);
     if (status != DPTC_OK)
         return step_fail(r, status, &err);
@@ -1585,7 +1609,32 @@ static PyMethodDef reducer_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+static PyObject *reducer_get_overlap(PyObject *op, void *Py_UNUSED(closure))
+{
+    return PyBool_FromLong(((ReducerObject *)op)->overlap);
+}
+
+static int reducer_set_overlap(PyObject *op, PyObject *value, void *Py_UNUSED(closure))
+{
+    ReducerObject *r = (ReducerObject *)op;
+    int on = value ? PyObject_IsTrue(value) : -1;
+    if (on < 0) {
+        if (!value)
+            PyErr_SetString(PyExc_AttributeError, "Reducer.overlap cannot be deleted");
+        return -1;
+    }
+    if (r->state == STEP_REDUCING) {
+        PyErr_SetString(PyExc_RuntimeError, "Reducer.overlap cannot change during a backward");
+        return -1;
+    }
+    r->overlap = on;
+    return 0;
+}
+
 static PyGetSetDef reducer_getset[] = {
+    {"overlap", reducer_get_overlap, reducer_set_overlap,
+     "Launch full buckets during backward (True, the default) or all at its end; see "
+     "[Note: overlap] in csrc/reducer.c.", NULL},
     {"observed_order", reducer_get_observed_order, NULL,
      "Parameter indices in the order their gradients became ready in the first synced "
      "backward (unused ones missing), or None before it completed.", NULL},

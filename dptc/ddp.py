@@ -20,7 +20,7 @@ from . import _C, _cuda
 from .comm_hooks import COMM_BF16, COMM_FP16, COMM_PLAIN, native_mode
 from ._dtypes import dtype_code
 from .collectives import broadcast
-from .group import get_rank, resolve
+from .group import default_group, get_rank, resolve
 
 __all__ = ["DistributedDataParallel", "DDP"]
 
@@ -128,7 +128,10 @@ class DistributedDataParallel(nn.Module):
     Wrap a model that is replicated on every rank; gradients are averaged over the process
     group during backward, in buckets, overlapping communication with the rest of backward.
     Parameters (and buffers, with ``broadcast_buffers``) are copied from rank 0 at
-    construction; buffers again before each forward.
+    construction; buffers again before each forward.  A CPU module on a node with fewer than
+    two cores per local rank has its buckets all-reduced at the end of backward instead, where
+    the progress thread would only take cores from backward (see [Note: overlap] in
+    csrc/reducer.c; ``DPTC_DDP_OVERLAP=1`` or ``0`` decides instead).
 
     Supported: CPU modules, and modules on one CUDA device (``device_ids`` None or that
     device's index; their buckets live on the device and go through NCCL, see [Note: buckets
@@ -215,17 +218,20 @@ class DistributedDataParallel(nn.Module):
                                    torch.autograd.Variable._execution_engine.queue_callback,
                                    self.find_unused_parameters, self.gradient_as_bucket_view,
                                    **device_kwargs)
+        self._reducer.overlap = _overlaps(cuda, self.process_group)
         self._install_buckets(list(reversed(range(len(params)))))
         self._reducer.register_hooks()
 
         total = sum(p.numel() * p.element_size() for p in params)
         logger.info("Applied DistributedDataParallel to %s: %d parameters, %.2f MiB of "
                     "gradients in %d buckets (cap %.2f MiB, first %.2f MiB), world size %d, "
-                    "find_unused_parameters=%s, gradient_as_bucket_view=%s",
+                    "find_unused_parameters=%s, gradient_as_bucket_view=%s, buckets launched "
+                    "%s",
                     type(module).__name__, len(params), total / _MB, len(self._buckets),
                     self.bucket_policy.bucket_bytes / _MB,
                     self.bucket_policy.first_bucket_bytes / _MB, self.process_group.size,
-                    self.find_unused_parameters, self.gradient_as_bucket_view)
+                    self.find_unused_parameters, self.gradient_as_bucket_view,
+                    "during backward" if self._reducer.overlap else "at its end")
 
     # -- construction helpers ------------------------------------------------------------------
 
@@ -462,6 +468,22 @@ def _check_unsupported(delay_all_reduce_named_params, param_to_hook_all_reduce,
     if device_mesh is not None and device_mesh.ndim != 1:
         raise ValueError(f"device_mesh must be one-dimensional for DistributedDataParallel, "
                          f"got {device_mesh.ndim} dimensions; pass mesh[dim_name] instead")
+
+
+def _overlaps(cuda, group):
+    """Whether the reducer launches buckets during backward (see [Note: overlap] in
+    csrc/reducer.c): always on CUDA; on CPU only where this node has at least two cores per
+    local rank, one for its backward and one for its progress thread.  DPTC_DDP_OVERLAP=1 or 0
+    decides instead."""
+    text = os.environ.get("DPTC_DDP_OVERLAP", "auto")
+    if text not in ("auto", "0", "1"):
+        raise ValueError(f"DPTC_DDP_OVERLAP must be auto, 0 or 1, got {text!r}")
+    if text != "auto":
+        return text == "1"
+    if cuda:
+        return True
+    local_ranks = max(group.local_size, default_group().local_size)
+    return len(os.sched_getaffinity(0)) >= 2 * local_ranks
 
 
 def _check_devices(params, device_ids, output_device):

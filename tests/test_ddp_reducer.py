@@ -7,10 +7,14 @@ Layer: one and two ranks (tests/_launch.py run_ranks); rank-side bodies at the b
   all-reduce is the identity, so .grad must equal grad.to(16 bits).to(float32) bit for bit.
 - Buckets are rebuilt once, from the order gradients arrived in the first backward, and the
   rebuilt assignment is the same on every rank (rank 0's order).
-- Buckets are launched during backward, not only at its end (the overlap DDP exists for).
+- Buckets are launched during backward, not only at its end (the overlap DDP exists for),
+  unless the node has fewer than two cores per rank, where they all wait for the end of
+  backward ([Note: overlap] in csrc/reducer.c); DPTC_DDP_OVERLAP chooses.
 """
 
 import os
+
+import pytest
 
 import torch
 import torch.nn as nn
@@ -41,15 +45,23 @@ def test_buckets_rebuilt_once_from_rank0_order():
     assert results[0]["params"] == results[1]["params"]
 
 
-def test_buckets_launch_during_backward():
-    results = run_ranks("tests.test_ddp_reducer:overlap_case", 2, timeout=RUN_TIMEOUT_S)
+@pytest.mark.parametrize("overlap", ["1", "0", "auto"])
+def test_buckets_launch_during_backward(overlap):
+    results = run_ranks("tests.test_ddp_reducer:overlap_case", 2, timeout=RUN_TIMEOUT_S,
+                        env={"DPTC_DDP_OVERLAP": overlap})
+    # auto: during backward only with two cores per local rank (2 ranks here).
+    during = overlap == "1" or overlap == "auto" and len(os.sched_getaffinity(0)) >= 4
     for stats in results:
         assert stats["steps"] == 3, stats
-        # 6 buckets per step; only the last one can wait for the end of backward.
-        assert stats["launched_in_backward"] == 18, stats
-        assert stats["launched_at_end"] == 0, stats
+        assert stats["overlap"] == during, stats
+        # 6 buckets per step; with overlap, even the last one is full before the end of
+        # backward, which finds nothing left to launch.
+        assert stats["launched_in_backward"] == (18 if during else 0), stats
+        assert stats["launched_at_end"] == (0 if during else 18), stats
         # Contiguous gradients are reduced where they are ([Note: gradients in place]).
         assert stats["launched_in_place"] == 18, stats
+        # Either way the same numbers: every rank ends with rank-averaged gradients.
+        assert stats["grad_rel_diff"] <= 1e-6, stats
 
 
 # ---------------------------------------------------------------------------------------------
@@ -141,8 +153,21 @@ def overlap_case():
     model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])
     # One bucket per layer (weight + bias = 16.6 KB; the cap closes a bucket at 16 KB).
     ddp = dptc.DistributedDataParallel(model, bucket_cap_mb=16 * 1024 / 2 ** 20)
-    for _ in range(3):
-        ddp(torch.randn(8, 64)).sum().backward()
+    reference = [p.detach().clone() for p in model.parameters()]
+    rank, world = dptc.get_rank(), dptc.get_world_size()
+    for step in range(3):
+        ddp.zero_grad()
+        batches = [torch.randn(8, 64, generator=torch.Generator().manual_seed(10 * step + r))
+                   for r in range(world)]
+        ddp(batches[rank]).sum().backward()
+    # The last step's gradients against the rank average computed here.
+    single = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])
+    for p, value in zip(single.parameters(), reference):
+        p.data.copy_(value)
+    sum(single(b).sum() for b in batches).div(world).backward()
     stats = ddp._reducer_stats()
+    stats["overlap"] = ddp._reducer.overlap
+    stats["grad_rel_diff"] = max(((p.grad - q.grad).abs().max() / q.grad.abs().max()).item()
+                                 for p, q in zip(model.parameters(), single.parameters()))
     dptc.destroy_process_group()
     return stats
