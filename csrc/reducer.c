@@ -325,6 +325,20 @@ static dptc_status current_stream(ReducerObject *r, void **out)
     return rc < 0 ? DPTC_ERR_PYTHON : DPTC_OK;
 }
 
+/* Submits coll on stream 0 of a device group, ordered after the current
+ * stream (a NCCL transport issues it on this thread, so without the GIL).
+ * GIL held. */
+static dptc_status device_submit(ReducerObject *r, dptc_group *g, dptc_coll *coll,
+                                 dptc_work **out, dptc_error *err)
+{
+    CHECK(current_stream(r, &coll->device_stream));
+    dptc_status status;
+    Py_BEGIN_ALLOW_THREADS
+    status = dptc_group_submit(g, 0, coll, out, err);
+    Py_END_ALLOW_THREADS
+    return status;
+}
+
 /* The all-reduce of bucket b over its members' pieces.  GIL held. */
 static dptc_status bucket_submit_pieces(ReducerObject *r, dptc_group *g, bucket *b,
                                         dptc_coll *coll, dptc_error *err)
@@ -404,17 +418,12 @@ static dptc_status bucket_launch(ReducerObject *r, bucket *b, dptc_error *err)
             return bucket_submit_pieces(r, g, b, &coll, err);
     if (r->device) {
         /* See [Note: buckets on a device]. */
-        CHECK(current_stream(r, &coll.device_stream));
         if (b->comm_tensor) {
             CHECK(tensor_call(b->comm_tensor, "copy_", b->tensor));
             coll.dtype = b->comm_dtype;
             coll.input = coll.output = b->comm_data;
         }
-        dptc_status status;
-        Py_BEGIN_ALLOW_THREADS
-        status = dptc_group_submit(g, 0, &coll, &b->work, err);
-        Py_END_ALLOW_THREADS
-        return status;
+        return device_submit(r, g, &coll, &b->work, err);
     }
     if (b->comm_tensor) {
         dptc_status status;
@@ -864,12 +873,7 @@ static dptc_status launch_unused(ReducerObject *r, dptc_error *err)
         return DPTC_ERR_PYTHON;
     }
     coll.input = coll.output = data;
-    CHECK(current_stream(r, &coll.device_stream));
-    dptc_status status;
-    Py_BEGIN_ALLOW_THREADS
-    status = dptc_group_submit(g, 0, &coll, &r->used_work, err);
-    Py_END_ALLOW_THREADS
-    return status;
+    return device_submit(r, g, &coll, &r->used_work, err);
 }
 
 /* Device buckets: finishes the used map's all-reduce (see [Note: unused
