@@ -447,10 +447,10 @@ static dptc_status bucket_launch(ReducerObject *r, bucket *b, dptc_error *err)
  * scheduler.  Measured there (benchmarks/ddp_step.py, alternating runs),
  * launching every bucket at the end of backward instead, when the main
  * threads only wait, made the step 1 to 3 % faster on average (single runs
- * scatter by a few percent either way).  ddp.py chooses (overlap = False where a
- * CPU group's node has fewer than two cores per local rank; DPTC_DDP_OVERLAP
- * overrides); the buckets, their order and the numbers are the same either
- * way. */
+ * scatter by a few percent either way).  ddp.py chooses: overlap = False
+ * where a CPU group's node has fewer than two cores per local rank, unless
+ * DPTC_DDP_OVERLAP says otherwise.  The buckets, their order and the numbers
+ * are the same either way. */
 
 /* Submits every full bucket from next_launch on, stopping at the first one
  * that is not full; during backward (at_end = 0) only with overlap.  GIL

@@ -45,6 +45,18 @@ def test_buckets_rebuilt_once_from_rank0_order():
     assert results[0]["params"] == results[1]["params"]
 
 
+def test_overlap_setting_is_checked(monkeypatch):
+    """Layer: a pure function (dptc.ddp._overlaps), no process group."""
+    from dptc.ddp import _overlaps
+    monkeypatch.setenv("DPTC_DDP_OVERLAP", "yes")
+    with pytest.raises(ValueError, match="DPTC_DDP_OVERLAP must be auto, 0 or 1, got 'yes'"):
+        _overlaps(False, None)
+    monkeypatch.setenv("DPTC_DDP_OVERLAP", "0")
+    assert _overlaps(True, None) is False        # the setting wins, on CUDA too
+    monkeypatch.setenv("DPTC_DDP_OVERLAP", "auto")
+    assert _overlaps(True, None) is True         # CUDA modules always overlap
+
+
 @pytest.mark.parametrize("overlap", ["1", "0", "auto"])
 def test_buckets_launch_during_backward(overlap):
     results = run_ranks("tests.test_ddp_reducer:overlap_case", 2, timeout=RUN_TIMEOUT_S,
