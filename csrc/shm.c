@@ -607,18 +607,21 @@ static dptc_status all_reduce_shared(channel *ch, const dptc_coll *c, uint64_t s
     span my = part_of(c->count, n, s->local_rank, SIZE_MAX);
     size_t lo = my.lo, hi = my.hi;
     CHECK(begin_round(ch, c, seq, deadline, err));
-    if (hi > lo) {
+    /* In pieces that stay in the core's cache between the reduce and the
+     * copies (see [Note: all-reduce rounds]); no step between pieces. */
+    size_t piece = elements_per(ALL_REDUCE_ROUND_BYTES, elsize);
+    double scale = is_avg(c) ? 1.0 / n : 1.0;
+    for (size_t from = lo; from < hi; from += piece) {
+        size_t count = hi - from < piece ? hi - from : piece;
+        size_t at = ch->shared_offset + from * elsize;
         const void *srcs[DPTC_MAX_LOCAL];
-        size_t at = ch->shared_offset + lo * elsize;
         for (int p = 0; p < n; p++)
             srcs[p] = ch->in_shared->base[p] + at;
-        double scale = is_avg(c) ? 1.0 / n : 1.0;
-        CHECK(dptc_reduce(ch->in_shared->base[s->local_rank] + at, srcs, n, hi - lo, c->dtype,
-                          base_redop(c), scale, err));
+        unsigned char *mine = ch->in_shared->base[s->local_rank] + at;
+        CHECK(dptc_reduce(mine, srcs, n, count, c->dtype, base_redop(c), scale, err));
         for (int p = 0; p < n; p++)
             if (p != s->local_rank)
-                memcpy(ch->in_shared->base[p] + at, ch->in_shared->base[s->local_rank] + at,
-                       (hi - lo) * elsize);
+                memcpy(ch->in_shared->base[p] + at, mine, count * elsize);
     }
     return step(ch, deadline, err);
 }
