@@ -137,7 +137,7 @@ struct shm_transport {
     dptc_shared **shared;
     int nshared, shared_cap;
     double spin_s;                /* how long to spin before sleeping */
-    size_t all_reduce_round;      /* staged bytes per rank in a one-node all-reduce
+    size_t all_reduce_round;      /* staged bytes per rank in a large all-reduce's
                                      round, see [Note: all-reduce rounds] */
 };
 
@@ -544,8 +544,7 @@ static dptc_status all_reduce_large(channel *ch, const dptc_coll *c, uint64_t se
     shm_transport *s = ch->s;
     size_t elsize = dptc_dtype_size(c->dtype);
     int n = s->local_size;
-    size_t round = s->nnodes == 1 ? s->all_reduce_round : s->slot_bytes;
-    size_t part_max = elements_per(round / (size_t)n, elsize);
+    size_t part_max = elements_per(s->all_reduce_round / (size_t)n, elsize);
     size_t chunk_max = part_max * (size_t)n;
     CHECK(check_window(s, part_max, err));
     int first = 1;
@@ -1303,7 +1302,8 @@ static dptc_status shm_open_transport(const dptc_group_config *cfg, dptc_transpo
     long cpus = sysconf(_SC_NPROCESSORS_ONLN);
     /* Spinning only helps when every rank can own a core. */
     s->spin_s = cpus >= cfg->local_size ? 50e-6 : 2e-6;
-    s->all_reduce_round = cpus >= cfg->local_size && s->slot_bytes > ALL_REDUCE_ROUND_BYTES
+    s->all_reduce_round = cfg->nnodes == 1 && cpus >= cfg->local_size &&
+                                  s->slot_bytes > ALL_REDUCE_ROUND_BYTES
                               ? ALL_REDUCE_ROUND_BYTES
                               : s->slot_bytes;
     snprintf(s->name, sizeof s->name, "%s", cfg->shm_name);
