@@ -15,6 +15,7 @@ one per stream and local index.
 
 import atexit
 import datetime
+import gc
 import logging
 import os
 import secrets
@@ -632,6 +633,12 @@ def _shutdown():
     destroy_process_group()
     if _owns_torch_group and dist.is_initialized():
         dist.destroy_process_group()
+        # The torch groups must go now, while their gloo threads can still take the GIL: one
+        # that drops a finished work's tensors during the interpreter's finalisation makes
+        # libstdc++ abort the process.
+        for pg in list(_groups):
+            pg.torch_group = None
+        gc.collect()
     _owns_torch_group = False
 
 
