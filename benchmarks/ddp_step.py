@@ -6,15 +6,27 @@
 
 One GPT-style model (examples/gpt.py) is copied three times on every rank: one copy runs with no
 wrapper (the compute-only step), one inside torch's DDP, one inside dptc's DDP.  A step is
-zero_grad, forward, cross-entropy, backward and AdamW on the same fixed batch.  Five phases are
-timed, taking turns step by step (A B C D E, then E D C B A, ...; --block for longer turns) so
+zero_grad, forward, cross-entropy, backward and AdamW on the same fixed batch.  Six phases are
+timed, taking turns step by step (A B C ..., then ... C B A, ...; --block for longer turns) so
 that the machine's noise falls on all of them alike:
 
     compute     the unwrapped model
     torch DDP   torch.nn.parallel.DistributedDataParallel on gloo
     dptc DDP    dptc.DistributedDataParallel
     torch comm  torch.distributed.all_reduce of the gradient bytes, in bucket_cap_mb pieces
-    dptc comm   dptc.all_reduce of the same, on a shared buffer as dptc's DDP buckets are
+    dptc comm   dptc.all_reduce of the same, where dptc's DDP reduces them: in place in
+                private memory (the gradients autograd made), or on a shared buffer with
+                --bucket-view (the buckets the gradients are views of)
+    copy        a plain copy of the gradient bytes, private memory to private memory
+
+Before every comm step each rank writes fresh values into its gradient pieces (untimed), as
+backward does before DDP's all-reduce: repeated on data nobody rewrote, the in-place all-reduce
+of 27.5 MiB at 2 ranks took 2.4 ms on the development machine (its vCPUs on separate cores),
+against 3.5 ms on freshly written data.  The copy phase tells how the machine ran.  Its 2 vCPUs
+sometimes behave as two threads of one physical core: a cache line goes from one to the other
+and back in 0.1 us, and the copy of 27.5 MiB takes about 2.4 ms.  At other times as separate
+cores: 0.5 us, the copy about 1.2 ms, and data one rank has just written reaches the other at
+about 8 GB/s.  The all-reduce's cost, and with it DDP's efficiency, follows.
 
 Each phase's time is the median over its timed steps of the slowest rank's step.  The ranks
 meet before each turn at dptc's barrier, which lets them go within microseconds of each other
@@ -125,6 +137,11 @@ def comm_step(all_reduce, pieces):
         all_reduce(piece)
 
 
+def refresh(buffer, source):
+    """Writes fresh gradient values into buffer, untimed, before a comm step."""
+    return lambda: buffer.copy_(source)
+
+
 def gradient_pieces(model, bucket_cap_mb, allocate=None):
     """A zeroed buffer as large as the gradients, cut into bucket_cap_mb views.
 
@@ -144,11 +161,22 @@ def gradient_pieces(model, bucket_cap_mb, allocate=None):
 # ---------------------------------------------------------------------------------------------
 # Timing
 
-def run_phases(phases, args, barrier):
+# Read before every turn, untimed: more than the caches hold.
+SETTLE_BYTES = 64 * MB
+
+
+def run_phases(phases, args, barrier, prepare=None):
     """Warms every phase up, then times them interleaved, the ranks meeting at `barrier` before
-    each turn; returns {name: [seconds per step]}."""
-    for step in phases.values():
+    each turn; prepare[name], where given, runs untimed before each of that phase's steps.
+    Before each turn every rank reads SETTLE_BYTES of scratch memory, so that what the previous
+    phase left in the caches (dirty lines to write back) does not fall on the next one.
+    Returns {name: [seconds per step]}."""
+    prepare = prepare or {}
+    scratch = torch.ones(SETTLE_BYTES // 4)
+    nothing = lambda: None  # noqa: E731
+    for name, step in phases.items():
         for _ in range(args.warmup):
+            prepare.get(name, nothing)()
             step()
     samples = {name: [] for name in phases}
     names = list(phases)
@@ -157,8 +185,11 @@ def run_phases(phases, args, barrier):
         order = names if block_index % 2 == 0 else names[::-1]
         for name in order:
             count = min(args.block, args.steps - len(samples[name]))
-            barrier()
-            for _ in range(count):
+            for k in range(count):
+                prepare.get(name, nothing)()
+                if k == 0:
+                    scratch.sum()
+                    barrier()
                 start = time.perf_counter()
                 phases[name]()
                 samples[name].append(time.perf_counter() - start)
@@ -217,8 +248,11 @@ def main(argv=None):
     test_buffer, test_pieces = buffer, pieces
     if args.impl == "dptc":
         import dptc
-        test_buffer, test_pieces = gradient_pieces(
-            base, args.bucket_cap_mb, dptc.group.default_group().empty_shared)
+        # Where dptc's DDP reduces: the gradients themselves, or its shared buckets.
+        shared = dptc.group.default_group().empty_shared if args.bucket_view else None
+        test_buffer, test_pieces = gradient_pieces(base, args.bucket_cap_mb, shared)
+    source = torch.randn(buffer.numel(), generator=generator).to(buffer.dtype)
+    copy_target = torch.empty_like(buffer)
 
     phases = {
         "compute": lambda: train_step(models["compute"], optimizers["compute"], inputs, targets),
@@ -226,9 +260,11 @@ def main(argv=None):
         f"{label} DDP": lambda: train_step(test_ddp, optimizers["test"], inputs, targets),
         "torch comm": lambda: comm_step(dist.all_reduce, pieces),
         f"{label} comm": lambda: comm_step(test_all_reduce, test_pieces),
+        "copy": lambda: copy_target.copy_(source),
     }
+    prepare = {"torch comm": refresh(buffer, source), f"{label} comm": refresh(test_buffer, source)}
     barrier = import_dptc().barrier if args.sync == "dptc" else dist.barrier
-    samples = run_phases(phases, args, barrier)
+    samples = run_phases(phases, args, barrier, prepare)
     medians = {name: slowest_rank_median(s) for name, s in samples.items()}
     # Both wrapped copies started equal and took the same steps on the same batches.
     drift = torch.tensor([max_parameter_difference(models["torch"], models["test"])],
@@ -266,6 +302,9 @@ def main(argv=None):
         for name, seconds in medians.items():
             print(f"{name:>14}  {seconds * 1e3:9.2f} ms")
         print(f"step time ratio torch DDP / {label} DDP: {ratio:.2f}")
+        excess = medians[f"{label} DDP"] - compute
+        print(f"{label} DDP over compute: {excess * 1e3:.2f} ms = "
+              f"{excess / medians[f'{label} comm']:.2f} x {label} comm")
         print(f"scaling efficiency compute / {label} DDP: "
               f"{compute / medians[f'{label} DDP']:.3f}")
         if wait_ms is not None:
