@@ -221,6 +221,24 @@ def test_module_methods():
         assert result["sum_rel"] <= FLOAT64_TOLERANCE, result
 
 
+def test_reduce_ring_keeps_its_pages_between_steps():
+    """The shared ring buffers the reduce-scatters read from keep their pages from one step to
+    the next (the next backward writes them without faulting each page in again): after each
+    step they still hold that step's reduce inputs.  With DPTC_FSDP_RELEASE_REDUCE_BUFFERS=1
+    the pages go back after every backward and the buffers read as zeros.  Training matches
+    the single-process reference (float64) either way."""
+    kept = run_ranks("tests.workers_fsdp:ring_case", 2, args={"impl": "dptc"},
+                     timeout=LAUNCH_TIMEOUT_S)
+    released = run_ranks("tests.workers_fsdp:ring_case", 2, args={"impl": "dptc"},
+                         timeout=LAUNCH_TIMEOUT_S,
+                         env={"DPTC_FSDP_RELEASE_REDUCE_BUFFERS": "1"})
+    for mine, control in zip(kept, released):
+        assert min(mine["nonzero"]) > 10_000, mine
+        assert control["nonzero"] == [0, 0], control
+        assert mine["ref_rel"] <= FLOAT64_TOLERANCE, mine
+        assert control["ref_rel"] <= FLOAT64_TOLERANCE, control
+
+
 def test_reduce_inputs_skip_the_staging_slots():
     """On one node the reduce-scatters read their inputs straight from every rank's shared
     ring buffer: a backward leaves the reduce stream's staging slot untouched (a sentinel fill

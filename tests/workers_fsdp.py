@@ -27,7 +27,7 @@ import torch.nn as nn
 from examples.gpt import build_gpt
 from tests._rank import load_impl
 
-__all__ = ["train_cases", "memory_case", "methods_case", "staging_case", "max_rel"]
+__all__ = ["train_cases", "memory_case", "methods_case", "staging_case", "ring_case", "max_rel"]
 
 SEED = 4321
 LR = 1e-3
@@ -461,3 +461,38 @@ def staging_case(impl):
     slot.release()
     _finish(impl)
     return {"touched": touched, "slot_bytes": slot_bytes}
+
+
+def ring_case(impl):
+    """What this rank's shared reduce ring buffers hold after each of two training steps:
+    their nonzero bytes (the last reductions' inputs while the pages are kept; zero once they
+    are given back, see [Note: reduce inputs in shared memory] in dptc/fsdp/_unit.py), and how
+    far the parameters are from the single-process reference after the steps."""
+    api = load_impl(impl)
+    rank, world = api.get_rank(), api.get_world_size()
+    import dptc
+    model = _build("gpt", torch.float64)
+    reference = _build("gpt", torch.float64)
+    for block in model.blocks:
+        dptc.fully_shard(block)
+    dptc.fully_shard(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(SEED)
+    mine = slice(rank * ROWS_PER_RANK, (rank + 1) * ROWS_PER_RANK)
+    nonzero = []
+    for _ in range(2):
+        x, y = _batch("gpt", 0, 0, world, generator)
+        _loss(model, "gpt", x[mine], y[mine]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        _loss(reference, "gpt", x, y).backward()
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+        rings = model.__dict__["_dptc_fsdp_state"].rings.values()
+        nonzero.append(sum(torch.frombuffer(b, dtype=torch.uint8).count_nonzero().item()
+                           for ring in rings for b in ring.buffers))
+    rel = max_rel([_full(p.detach()) for p in model.parameters()],
+                  [p.detach() for p in reference.parameters()])
+    _finish(impl)
+    return {"nonzero": nonzero, "ref_rel": rel}

@@ -247,7 +247,7 @@ class State:
         finally:
             self.in_backward = False
             for ring in self.rings.values():
-                ring.release()
+                ring.end_backward()
 
     def reset_iter_state(self):
         self.callback_queued = False

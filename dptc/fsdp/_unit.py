@@ -22,6 +22,7 @@ gradients.
 """
 
 import math
+import os
 
 import torch
 from torch import nn
@@ -128,13 +129,21 @@ class ReduceRing:
     per (shard group, reduce dtype), each as large as the largest unit's reduce inputs of that
     dtype.  Units take them in turn as their reductions start; before a buffer is reused, the
     reduction that last read it is finished (at most two are in flight anyway, see [Note: one
-    training step]).  At the end of backward the buffers' pages are given back to the system
-    (SharedBuffer.discard), so between steps they hold no memory; the mappings stay."""
+    training step]).
+
+    The buffers keep their pages from one step to the next, as a GPU caching allocator keeps
+    its blocks: pages given back at the end of every backward (SharedBuffer.discard) must be
+    faulted in again, one at a time, by the next backward's _chunk_cat, and on the
+    development machine that made a step of benchmarks/fsdp_step.py about 4 ms (7 %) slower
+    (backward 36.0-37.7 against 31.4-33.6 ms, 3 alternating pairs).  They hold twice the
+    largest unit's reduce inputs; DPTC_FSDP_RELEASE_REDUCE_BUFFERS=1 gives the pages back
+    after every backward instead (the mappings stay either way)."""
 
     def __init__(self, group, nbytes):
         self.buffers = [group._c.share(nbytes), group._c.share(nbytes)]
         self.owners = [None, None]             # the State whose reduction last used each
         self.next = 0
+        self.release_pages = os.environ.get("DPTC_FSDP_RELEASE_REDUCE_BUFFERS", "0") == "1"
 
     def take(self, owner, finish):
         index = self.next
@@ -145,11 +154,13 @@ class ReduceRing:
         self.owners[index] = owner
         return self.buffers[index]
 
-    def release(self):
+    def end_backward(self):
+        """Every reduction that read the ring is finished: the next backward starts afresh."""
         self.owners = [None, None]
         self.next = 0
-        for buffer in self.buffers:
-            buffer.discard()
+        if self.release_pages:
+            for buffer in self.buffers:
+                buffer.discard()
 
 
 class Unit:
