@@ -369,6 +369,18 @@ def memory_case(impl):
             "rank": rank}
 
 
+def _sharded_gpt_and_reference():
+    """The float64 GPT with dptc's fully_shard on every block and the root, and an unsharded
+    copy of its initial state (the single-process reference)."""
+    import dptc
+    model = _build("gpt", torch.float64)
+    reference = _build("gpt", torch.float64)
+    for block in model.blocks:
+        dptc.fully_shard(block)
+    dptc.fully_shard(model)
+    return model, reference
+
+
 def methods_case(impl):
     """FSDPModule's methods beyond a plain training step, each checked by numbers.
 
@@ -384,11 +396,7 @@ def methods_case(impl):
     api = load_impl(impl)
     rank, world = api.get_rank(), api.get_world_size()
     import dptc as fsdp
-    model = _build("gpt", torch.float64)
-    ref = _build("gpt", torch.float64)
-    for block in model.blocks:
-        fsdp.fully_shard(block)
-    fsdp.fully_shard(model)
+    model, ref = _sharded_gpt_and_reference()
     type(model).logits_of = lambda self, idx: self.forward(idx)
     fsdp.register_fsdp_forward_method(model, "logits_of")
     generator = torch.Generator().manual_seed(SEED + 7)
@@ -470,12 +478,7 @@ def ring_case(impl):
     far the parameters are from the single-process reference after the steps."""
     api = load_impl(impl)
     rank, world = api.get_rank(), api.get_world_size()
-    import dptc
-    model = _build("gpt", torch.float64)
-    reference = _build("gpt", torch.float64)
-    for block in model.blocks:
-        dptc.fully_shard(block)
-    dptc.fully_shard(model)
+    model, reference = _sharded_gpt_and_reference()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
     generator = torch.Generator().manual_seed(SEED)
