@@ -684,6 +684,25 @@ static dptc_status all_gather_shared(channel *ch, const dptc_coll *c, uint64_t s
     return step(ch, deadline, err);
 }
 
+/* All-gather from shared inputs into several outputs (FSDP's shard
+ * buffers): every rank's input lies at the same offset of a shared buffer,
+ * so after the first step each rank copies every rank's block straight from
+ * its owner's memory into its own pieces; the closing step tells the owners
+ * their inputs are free again.  A shard written long before (by the
+ * optimizer) comes from memory, not from the cache of the core that wrote
+ * it, and nothing is staged. */
+static dptc_status all_gather_from_shared(channel *ch, const dptc_coll *c, uint64_t seq,
+                                          double deadline, dptc_error *err)
+{
+    shm_transport *s = ch->s;
+    size_t elsize = dptc_dtype_size(c->dtype);
+    CHECK(begin_round(ch, c, seq, deadline, err));
+    for (int p = 0; p < s->local_size; p++)
+        place_gathered(c, (size_t)p, 0, c->count, ch->in_shared->base[p] + ch->shared_offset,
+                       elsize);
+    return step(ch, deadline, err);
+}
+
 /* Reduce-scatter from shared inputs: rank r reduces block r of every peer's
  * input into its output (which may be its own block r: nobody else reads
  * it); the closing step tells peers their inputs are free again. */
@@ -714,6 +733,8 @@ static dptc_status all_gather(channel *ch, const dptc_coll *c, uint64_t seq,
     size_t parts = ch->bridge ? (size_t)s->nnodes + 1 : 1;
     size_t window_max = elements_per(s->slot_bytes / parts, elsize);
     const unsigned char *in = c->input;
+    if (ch->in_shared && c->noutputs > 0)
+        return all_gather_from_shared(ch, c, seq, deadline, err);
     if (ch->in_shared)
         return all_gather_shared(ch, c, seq, deadline, err);
     CHECK(check_window(s, window_max, err));
@@ -1027,19 +1048,21 @@ static const dptc_shared *find_shared(shm_transport *s, const void *ptr, size_t 
 
 /* The shared buffer a collective can work in place on: the in-place
  * all-reduce's tensor, the single-output all-gather's output, the
- * reduce-scatter's input; on one node only. */
+ * several-output all-gather's input, the reduce-scatter's input; on one
+ * node only. */
 static const dptc_shared *find_shared_operand(channel *ch, const dptc_coll *c, size_t *offset)
 {
     shm_transport *s = ch->s;
-    if (ch->bridge || c->count == 0 || c->noutputs > 0)
+    if (ch->bridge || c->count == 0)
         return NULL;
     size_t bytes = c->count * dptc_dtype_size(c->dtype);
+    if (c->noutputs > 0)
+        return c->op == DPTC_OP_ALL_GATHER ? find_shared(s, c->input, bytes, offset) : NULL;
     switch (c->op) {
     case DPTC_OP_ALL_REDUCE:
         return c->input == c->output ? find_shared(s, c->input, bytes, offset) : NULL;
     case DPTC_OP_ALL_GATHER:
-        return c->noutputs == 0 ? find_shared(s, c->output, bytes * (size_t)s->local_size, offset)
-                                : NULL;
+        return find_shared(s, c->output, bytes * (size_t)s->local_size, offset);
     case DPTC_OP_REDUCE_SCATTER:
         return find_shared(s, c->input, bytes * (size_t)s->local_size, offset);
     default:

@@ -34,8 +34,9 @@ void *dptc_shm_slot(dptc_transport *t, int stream, int local, size_t *bytes);
  * the same offset on every rank, needs no staging: each rank reduces its
  * part straight from its peers' memory and writes the result into every
  * peer's buffer (shm.c, all_reduce_shared).  DDP allocates its gradient
- * buckets this way; FSDP will gather into shared parameters.  The mappings
- * belong to the dptc_shared (its owner unmaps them with
+ * buckets this way, and FSDP its shard buffers, which the all-gather into
+ * several outputs reads straight from every owner (all_gather_from_shared).
+ * The mappings belong to the dptc_shared (its owner unmaps them with
  * dptc_shm_shared_free), so a buffer outlives the group that made it. */
 typedef struct {
     uint64_t id;                          /* same on every local rank */

@@ -239,14 +239,20 @@ def test_reduce_ring_keeps_its_pages_between_steps():
         assert control["ref_rel"] <= FLOAT64_TOLERANCE, control
 
 
-def test_reduce_inputs_skip_the_staging_slots():
-    """On one node the reduce-scatters read their inputs straight from every rank's shared
-    ring buffer: a backward leaves the reduce stream's staging slot untouched (a sentinel fill
-    survives), where with DPTC_FSDP_SHARED_REDUCE=0 (plain inputs) it overwrites ~98 KB."""
+def test_shared_inputs_skip_the_staging_slots():
+    """On one node the collectives of fully_shard read their inputs in place: the all-gathers
+    copy every rank's shard straight from its owner's shared shard buffer, so a forward leaves
+    stream 0's staging slot untouched (a sentinel fill survives, the first forward included),
+    and the reduce-scatters read every rank's shared ring buffer, so a backward leaves the
+    reduce stream's slot untouched.  With DPTC_FSDP_SHARED_GATHER=0 and
+    DPTC_FSDP_SHARED_REDUCE=0 (private inputs) both stage through their slots."""
     shared = run_ranks("tests.workers_fsdp:staging_case", 2, args={"impl": "dptc"},
                        timeout=LAUNCH_TIMEOUT_S)
     staged = run_ranks("tests.workers_fsdp:staging_case", 2, args={"impl": "dptc"},
-                       timeout=LAUNCH_TIMEOUT_S, env={"DPTC_FSDP_SHARED_REDUCE": "0"})
+                       timeout=LAUNCH_TIMEOUT_S,
+                       env={"DPTC_FSDP_SHARED_GATHER": "0", "DPTC_FSDP_SHARED_REDUCE": "0"})
     for mine, control in zip(shared, staged):
+        assert mine["gather_touched"] == [0, 0], mine
         assert mine["touched"] == [0, 0], mine
+        assert min(control["gather_touched"]) > 10_000, control
         assert min(control["touched"]) > 10_000, control

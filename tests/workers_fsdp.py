@@ -443,9 +443,11 @@ def methods_case(impl):
 
 
 def staging_case(impl):
-    """Bytes of this rank's staging slot on the reduce stream (stream 1) that one training
-    step's backward overwrote: the reduce-scatters' inputs pass through it unless they lie in
-    shared memory (see [Note: reduce inputs in shared memory] in dptc/fsdp/_unit.py)."""
+    """Bytes of this rank's staging slots that each of two training steps overwrote: on the
+    reduce stream (stream 1) in backward ("touched"), which the reduce-scatters' inputs pass
+    through unless they lie in shared memory (see [Note: reduce inputs in shared memory] in
+    dptc/fsdp/_unit.py), and on stream 0 in forward ("gather_touched"), which the
+    all-gathers' inputs pass through unless the shard buffers are shared (Unit._new_flat)."""
     api = load_impl(impl)
     rank, world = api.get_rank(), api.get_world_size()
     import dptc
@@ -458,17 +460,22 @@ def staging_case(impl):
     mine = slice(rank * ROWS_PER_RANK, (rank + 1) * ROWS_PER_RANK)
     group = resolve(None)
     slot = group._c.slot(1, group.local_rank)
-    touched = []
+    gather_slot = group._c.slot(0, group.local_rank)
+    touched, gather_touched = [], []
     for _ in range(2):
         x, y = _batch("gpt", 0, 0, world, generator)
+        gather_slot[:] = b"\xab" * len(gather_slot)
+        loss = _loss(model, "gpt", x[mine], y[mine])
+        gather_touched.append(len(gather_slot) - bytes(gather_slot).count(b"\xab"))
         slot[:] = b"\xab" * len(slot)
-        _loss(model, "gpt", x[mine], y[mine]).backward()
+        loss.backward()
         touched.append(len(slot) - bytes(slot).count(b"\xab"))
         model.zero_grad()
     slot_bytes = len(slot)
     slot.release()
+    gather_slot.release()
     _finish(impl)
-    return {"touched": touched, "slot_bytes": slot_bytes}
+    return {"touched": touched, "gather_touched": gather_touched, "slot_bytes": slot_bytes}
 
 
 def ring_case(impl):

@@ -216,8 +216,7 @@ class Unit:
 
     def _shard(self, bucket, originals):
         on_meta = any(originals[id(p)].is_meta for p in bucket.params)
-        bucket.flat = torch.zeros(bucket.numel, dtype=bucket.orig_dtype,
-                                  device="meta" if on_meta else self.device)
+        bucket.flat = self._new_flat(bucket, on_meta)
         for p in bucket.params:
             orig = originals[id(p)]
             local = p.local_alias(bucket.flat)
@@ -231,6 +230,21 @@ class Unit:
             p.padded.untyped_storage().resize_(0)
             p.register(p.sharded)
 
+    def _new_flat(self, bucket, on_meta=False):
+        """A zeroed shard buffer for bucket.  On one CPU node, where the all-gather's input is
+        the buffer itself (no param_dtype cast), it lies in memory every rank of the shard
+        group maps: the all-gather then copies each rank's shard straight from its owner's
+        buffer into the unsharded storage, with nothing staged (all_gather_from_shared in
+        csrc/shm.c).  Collective in that case, like every shard buffer's creation: each rank
+        makes its units' buffers in the same order."""
+        if on_meta:
+            return torch.zeros(bucket.numel, dtype=bucket.orig_dtype, device="meta")
+        if self.device.type == "cpu" and self.group.size > 1 and self.group.nnodes == 1 and \
+                bucket.compute_dtype == bucket.orig_dtype and \
+                os.environ.get("DPTC_FSDP_SHARED_GATHER", "1") != "0":
+            return self.group.empty_shared(bucket.numel, bucket.orig_dtype)
+        return torch.zeros(bucket.numel, dtype=bucket.orig_dtype, device=self.device)
+
     def _dtensor(self, local, p):
         return DTensor.from_local(local, self.mesh, self.placements, run_check=False,
                                   shape=p.shape, stride=p.stride)
@@ -241,8 +255,7 @@ class Unit:
         local tensors become views of it again."""
         for bucket in self.buckets:
             if bucket.flat.is_meta:
-                bucket.flat = torch.zeros(bucket.numel, dtype=bucket.orig_dtype,
-                                          device=self.device)
+                bucket.flat = self._new_flat(bucket)
             for p in bucket.params:
                 module, name = p.locations[0]
                 current = module._parameters[name]
