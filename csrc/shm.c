@@ -728,15 +728,14 @@ static dptc_status reduce_scatter_shared(channel *ch, const dptc_coll *c, uint64
 static dptc_status all_gather(channel *ch, const dptc_coll *c, uint64_t seq,
                               double deadline, dptc_error *err)
 {
+    if (ch->in_shared)
+        return c->noutputs > 0 ? all_gather_from_shared(ch, c, seq, deadline, err)
+                               : all_gather_shared(ch, c, seq, deadline, err);
     shm_transport *s = ch->s;
     size_t elsize = dptc_dtype_size(c->dtype);
     size_t parts = ch->bridge ? (size_t)s->nnodes + 1 : 1;
     size_t window_max = elements_per(s->slot_bytes / parts, elsize);
     const unsigned char *in = c->input;
-    if (ch->in_shared && c->noutputs > 0)
-        return all_gather_from_shared(ch, c, seq, deadline, err);
-    if (ch->in_shared)
-        return all_gather_shared(ch, c, seq, deadline, err);
     CHECK(check_window(s, window_max, err));
     int first = 1;
     for (size_t done = 0; done < c->count || first;) {

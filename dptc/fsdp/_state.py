@@ -171,8 +171,7 @@ class State:
             return
         for state in self.states:
             unit = state.unit
-            if unit is None or unit.group.nnodes != 1 or unit.group.size < 2 or \
-                    unit.device.type != "cpu":
+            if unit is None or not unit.on_one_cpu_node:
                 continue
             for dtype, nbytes in unit.reduce_input_bytes().items():
                 key = (id(unit.group), dtype)

@@ -239,11 +239,16 @@ class Unit:
         makes its units' buffers in the same order."""
         if on_meta:
             return torch.zeros(bucket.numel, dtype=bucket.orig_dtype, device="meta")
-        if self.device.type == "cpu" and self.group.size > 1 and self.group.nnodes == 1 and \
-                bucket.compute_dtype == bucket.orig_dtype and \
+        if self.on_one_cpu_node and bucket.compute_dtype == bucket.orig_dtype and \
                 os.environ.get("DPTC_FSDP_SHARED_GATHER", "1") != "0":
             return self.group.empty_shared(bucket.numel, bucket.orig_dtype)
         return torch.zeros(bucket.numel, dtype=bucket.orig_dtype, device=self.device)
+
+    @property
+    def on_one_cpu_node(self):
+        """Whether the shard group is several CPU ranks of one node, whose collectives can
+        read shared buffers in place (the shard buffers, the reduce ring)."""
+        return self.device.type == "cpu" and self.group.size > 1 and self.group.nnodes == 1
 
     def _dtensor(self, local, p):
         return DTensor.from_local(local, self.mesh, self.placements, run_check=False,
