@@ -90,6 +90,10 @@ def parse_args(argv):
     parser.add_argument("--sync", choices=("dptc", "gloo"),
                         help="the barrier the ranks meet at before each turn (default: dptc's; "
                              "gloo's with --impl torch)")
+    parser.add_argument("--hook", choices=("none", "python"), default="none",
+                        help="python: both wrappers run a Python comm hook (torch's "
+                             "allreduce_hook under another name, all-reducing over gloo); the "
+                             "comm phases still time the collectives DDP runs without one")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     parser.add_argument("--timeout", type=float, default=600,
@@ -122,6 +126,13 @@ def wrap_test_side(impl, model, bucket_cap_mb, bucket_view=False):
     wrapped = TorchDDP(model, process_group=group, bucket_cap_mb=bucket_cap_mb,
                        gradient_as_bucket_view=bucket_view)
     return "torch*", wrapped, lambda tensor: dist.all_reduce(tensor, group=group)
+
+
+def python_allreduce_hook(state, bucket):
+    """torch's allreduce_hook under another name, so that neither wrapper recognises it: each
+    bucket goes through Python and torch.distributed's all-reduce (gloo)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    return default_hooks.allreduce_hook(state, bucket)
 
 
 def train_step(model, optimizer, inputs, targets):
@@ -238,6 +249,9 @@ def main(argv=None):
                          gradient_as_bucket_view=args.bucket_view)
     label, test_ddp, test_all_reduce = wrap_test_side(args.impl, models["test"],
                                                       args.bucket_cap_mb, args.bucket_view)
+    if args.hook == "python":
+        for wrapped in (torch_ddp, test_ddp):
+            wrapped.register_comm_hook(None, python_allreduce_hook)
     optimizers = {name: torch.optim.AdamW(model.parameters(), lr=1e-4)
                   for name, model in models.items()}
 
@@ -292,7 +306,8 @@ def main(argv=None):
               f"n_layer={args.n_layer}, n_head={args.n_head}, ctx={args.ctx}), "
               f"{params / 1e6:.2f} M parameters, {buffer.nbytes / MB:.1f} MiB of gradients "
               f"in {len(pieces)} piece(s) of <= {args.bucket_cap_mb:g} MiB"
-              f"{', gradient_as_bucket_view=True' if args.bucket_view else ''}")
+              f"{', gradient_as_bucket_view=True' if args.bucket_view else ''}"
+              f"{', a Python comm hook (gloo) on both wrappers' if args.hook == 'python' else ''}")
         print(f"# step: batch {args.batch}x{args.ctx} per rank, forward + cross-entropy + "
               f"backward + AdamW; {args.warmup} warm-up and {args.steps} timed steps per phase "
               f"in blocks of {args.block}; time = median over steps of the slowest rank")

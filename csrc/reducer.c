@@ -35,14 +35,17 @@
  * PyMem_RawMalloc.
  *
  * [Note: bucket launch order]
- * Every rank holds the same bucket assignment: before the first backward it
- * is derived from the parameter order (identical models), afterwards from
- * the order observed on rank 0 in the first backward, which ddp.py
- * broadcasts (see _rebuild_buckets).  Buckets are submitted strictly in
- * bucket order: when bucket k becomes full it is submitted only if buckets
- * 0..k-1 have been; otherwise it waits, and the hook that completes bucket j
- * submits j and then every full bucket after it (launch_ready_buckets).  So
- * every rank issues the same all-reduces in the same order whatever order
+ * Every rank holds the same bucket assignment, torch's: before the first
+ * backward one bucket per dtype (the parameter order need not be the order
+ * gradients arrive in; with find_unused_parameters, or bucket_cap_mb_list,
+ * buckets of the usual sizes in reverse parameter order), afterwards
+ * buckets of the usual sizes in the order observed on rank 0 in the first
+ * backward, which ddp.py broadcasts (see _rebuild_buckets).  A Python comm
+ * hook sees bucket k hold what it holds under torch.  Buckets are submitted
+ * strictly in bucket order: when bucket k becomes full it is submitted only
+ * if buckets 0..k-1 have been; otherwise it waits, and the hook that
+ * completes bucket j submits j and then every full bucket after it
+ * (launch_ready_buckets).  So every rank issues the same all-reduces in the same order whatever order
  * its gradients arrive in, which is what the engine's fingerprint check
  * (see [Note: collective order] in engine.h) expects; a rank whose order
  * differs gets a CollectiveMismatchError instead of silently reducing the
@@ -108,6 +111,7 @@ typedef enum {
     COMM_PLAIN = 0, /* all-reduce AVG of the bucket in place */
     COMM_FP16 = 1,  /* cast to float16, all-reduce AVG, cast back */
     COMM_BF16 = 2,  /* cast to bfloat16, all-reduce AVG, cast back */
+    COMM_PYTHON = 3, /* a Python hook, see [Note: Python comm hooks] */
 } comm_mode;
 
 /* The reducer's step, one state per backward. */
@@ -165,6 +169,8 @@ typedef struct {
     Py_ssize_t pending;     /* members not yet ready */
     dptc_work *work;        /* the submitted all-reduce; NULL before launch or
                                when the bucket is empty */
+    PyObject *hooked;       /* COMM_PYTHON: what the launcher returned for
+                               this bucket, until finished (owned), or NULL */
     PyObject *range;        /* its profiler range from launch until the reducer
                                sees it complete (see [Note: profiler ranges] in
                                dptc/_ranges.py), or NULL */
@@ -193,6 +199,8 @@ struct ReducerObject {
     int overlap;               /* launch full buckets during backward; else
                                   all at its end, see [Note: overlap] */
     comm_mode comm;
+    PyObject *launcher;        /* COMM_PYTHON: (bucket index) -> an object whose
+                                  finish() writes the bucket's result (owned) */
 
     /* Parameters and buckets */
     param_slot *slots;
@@ -401,6 +409,43 @@ static dptc_status close_completed_ranges(ReducerObject *r)
     return DPTC_OK;
 }
 
+/* [Note: Python comm hooks]
+ * A hook that dptc does not run natively (see register_comm_hook in ddp.py)
+ * runs in Python.  Gradients are copied into their bucket, as for the
+ * compression hooks, and launching bucket k calls the launcher with k
+ * instead of submitting work: ddp.py hands the hook a GradBucket over the
+ * bucket tensor and keeps the future the hook returns.  Buckets launch in
+ * the order and with the members torch's reducer gives them (see [Note:
+ * bucket launch order]), so a hook that keeps state per bucket index sees
+ * what it sees under torch.  At the end of backward, with the GIL held,
+ * each launched bucket's finish() waits for its future (within the group's
+ * deadline, and failing as soon as the group fails) and copies the result
+ * into the bucket tensor; the write-back then moves it into .grad as
+ * usual.  The engine never sees these buckets: whatever the hook
+ * communicates holds its own references to the tensors it uses. */
+static dptc_status bucket_launch_python(ReducerObject *r, bucket *b)
+{
+    PyObject *hooked = PyObject_CallFunction(r->launcher, "n", (Py_ssize_t)(b - r->buckets));
+    if (!hooked)
+        return DPTC_ERR_PYTHON;
+    Py_XSETREF(b->hooked, hooked);
+    return DPTC_OK;
+}
+
+/* Finishes a bucket launched through a Python hook: waits for the hook's
+ * result and writes it into the bucket tensor.  GIL held. */
+static dptc_status bucket_finish_python(ReducerObject *r, bucket *b)
+{
+    if (!b->hooked)
+        return DPTC_OK;
+    PyObject *done = PyObject_CallMethod(b->hooked, "finish", NULL);
+    Py_CLEAR(b->hooked);
+    if (!done)
+        return DPTC_ERR_PYTHON;
+    Py_DECREF(done);
+    return bucket_close_range(r, b);
+}
+
 /* Submits bucket b's all-reduce.  GIL held. */
 static dptc_status bucket_launch(ReducerObject *r, bucket *b, dptc_error *err)
 {
@@ -411,6 +456,8 @@ static dptc_status bucket_launch(ReducerObject *r, bucket *b, dptc_error *err)
         return DPTC_ERR_PYTHON;
     /* The range covers the launch (and a compressing cast) too. */
     CHECK(bucket_open_range(r, b));
+    if (r->comm == COMM_PYTHON)
+        return bucket_launch_python(r, b);
     dptc_coll coll = {.op = DPTC_OP_ALL_REDUCE, .dtype = b->dtype, .redop = DPTC_AVG,
                       .input = b->data, .output = b->data, .count = b->count, .root = 0};
     for (Py_ssize_t k = 0; k < b->nmembers && reduces_in_place(r); k++)
@@ -538,6 +585,7 @@ static void step_end(ReducerObject *r)
     }
     for (Py_ssize_t i = 0; i < r->nbuckets; i++) {
         r->buckets[i].pending = r->buckets[i].nmembers;
+        Py_CLEAR(r->buckets[i].hooked);  /* a failed step's */
         /* Left open by a failed step. */
         if (bucket_close_range(r, &r->buckets[i]) != DPTC_OK)
             PyErr_WriteUnraisable((PyObject *)r);
@@ -956,6 +1004,12 @@ static dptc_status wait_and_copy_back(ReducerObject *r, dptc_error *err)
     double timeout = dptc_group_timeout(g) * 2 + 1;
     dptc_status status = DPTC_OK;
     double start = dptc_now();
+    /* See [Note: Python comm hooks]. */
+    for (Py_ssize_t i = 0; i < r->nbuckets && r->comm == COMM_PYTHON; i++) {
+        status = bucket_finish_python(r, &r->buckets[i]);
+        if (status != DPTC_OK)
+            return status;
+    }
     dptc_watch watch;
     dptc_watch_signals(&watch);
     if (r->used_work && r->device)
@@ -1078,6 +1132,7 @@ static void buckets_free(bucket *buckets, Py_ssize_t n)
         Py_XDECREF(buckets[i].tensor);
         Py_XDECREF(buckets[i].comm_tensor);
         Py_XDECREF(buckets[i].range);
+        Py_XDECREF(buckets[i].hooked);
         PyMem_Free(buckets[i].members);
     }
     PyMem_Free(buckets);
@@ -1267,26 +1322,33 @@ static int bucket_from_entry(ReducerObject *r, PyObject *entry, Py_ssize_t index
 }
 
 PyDoc_STRVAR(set_buckets_doc,
-"set_buckets(buckets, comm_mode)\n--\n\n"
+"set_buckets(buckets, comm_mode, launcher=None)\n--\n\n"
 "Installs a bucket assignment, in launch order.  Each entry is\n"
 "(tensor, dtype_code, member_indices, member_views, comm_tensor, comm_dtype_code);\n"
 "members are packed contiguously in the listed order.  comm_mode: 0 plain,\n"
-"1 fp16 compression, 2 bf16 compression.  Not allowed during a backward.");
+"1 fp16 compression, 2 bf16 compression, 3 a Python hook: launcher(k) is called\n"
+"to launch bucket k and returns an object whose finish() writes its result into\n"
+"the bucket tensor (see [Note: Python comm hooks]).  Not allowed during a backward.");
 
 static PyObject *reducer_set_buckets(PyObject *op, PyObject *args)
 {
     ReducerObject *r = (ReducerObject *)op;
-    PyObject *entries, *result = NULL;
+    PyObject *entries, *launcher = Py_None, *result = NULL;
     int mode;
-    if (!PyArg_ParseTuple(args, "O!i:set_buckets", &PyList_Type, &entries, &mode))
+    if (!PyArg_ParseTuple(args, "O!i|O:set_buckets", &PyList_Type, &entries, &mode, &launcher))
         return NULL;
     if (r->state == STEP_REDUCING) {
         PyErr_SetString(PyExc_RuntimeError,
                         "DistributedDataParallel: buckets cannot change during a backward pass");
         return NULL;
     }
-    if (mode < COMM_PLAIN || mode > COMM_BF16) {
+    if (mode < COMM_PLAIN || mode > COMM_PYTHON) {
         PyErr_Format(PyExc_ValueError, "set_buckets: unknown comm mode %d", mode);
+        return NULL;
+    }
+    if ((mode == COMM_PYTHON) != PyCallable_Check(launcher)) {
+        PyErr_SetString(PyExc_TypeError, "set_buckets: comm mode 3 takes a callable launcher, "
+                                         "the others none");
         return NULL;
     }
     Py_ssize_t nbuckets = PyList_GET_SIZE(entries);
@@ -1334,6 +1396,7 @@ static PyObject *reducer_set_buckets(PyObject *op, PyObject *args)
     nbuckets = r->nbuckets;
     r->nbuckets = ninstalled;
     r->comm = (comm_mode)mode;
+    Py_XSETREF(r->launcher, mode == COMM_PYTHON ? Py_NewRef(launcher) : NULL);
     result = Py_NewRef(Py_None);
 exit:
     if (buckets)
@@ -1539,6 +1602,7 @@ static int reducer_traverse(PyObject *op, visitproc visit, void *arg)
     Py_VISIT(r->used_device);
     Py_VISIT(r->hooks);
     Py_VISIT(r->handles);
+    Py_VISIT(r->launcher);
     for (Py_ssize_t i = 0; i < r->nslots; i++) {
         Py_VISIT(r->slots[i].param);
         Py_VISIT(r->slots[i].name);
@@ -1550,6 +1614,7 @@ static int reducer_traverse(PyObject *op, visitproc visit, void *arg)
         Py_VISIT(r->buckets[j].tensor);
         Py_VISIT(r->buckets[j].comm_tensor);
         Py_VISIT(r->buckets[j].range);
+        Py_VISIT(r->buckets[j].hooked);
     }
     return 0;
 }
@@ -1580,6 +1645,7 @@ static int reducer_clear(PyObject *op)
     Py_CLEAR(r->current_stream);
     Py_CLEAR(r->stage_used_map);
     Py_CLEAR(r->used_device);
+    Py_CLEAR(r->launcher);
     Py_CLEAR(r->group);
     return 0;
 }

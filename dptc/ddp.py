@@ -11,13 +11,15 @@ import dataclasses
 import logging
 import math
 import os
+import sys
 import warnings
 
 import torch
 import torch.nn as nn
 
 from . import _C, _cuda
-from .comm_hooks import COMM_BF16, COMM_FP16, COMM_PLAIN, native_mode
+from .comm_hooks import (COMM_BF16, COMM_FP16, COMM_PLAIN, COMM_PYTHON, GradBucket,
+                         LaunchedBucket, builtin_mode, check_hook, hook_name, native_mode)
 from ._dtypes import dtype_code
 from .collectives import broadcast
 from .group import default_group, get_rank, resolve
@@ -50,6 +52,14 @@ class BucketPolicy:
         if self.per_bucket_bytes:
             return self.per_bucket_bytes[min(k, len(self.per_bucket_bytes) - 1)]
         return self.first_bucket_bytes if k == 0 else self.bucket_bytes
+
+    def first_backward(self, find_unused_parameters, static_graph):
+        """The policy of the buckets before the first backward's order is known, as torch's:
+        one bucket per dtype, unless find_unused_parameters (without static_graph) keeps the
+        first buckets for good, or bucket_cap_mb_list sets every bucket's size."""
+        if self.per_bucket_bytes or (find_unused_parameters and not static_graph):
+            return self
+        return BucketPolicy(bucket_bytes=sys.maxsize, first_bucket_bytes=sys.maxsize)
 
     @classmethod
     def create(cls, bucket_cap_mb, bucket_cap_mb_list=None):
@@ -97,6 +107,15 @@ def assign_buckets(nbytes, dtypes, order, policy):
     return buckets
 
 
+def first_buckets(nbytes, dtypes, policy):
+    """torch's buckets before the first backward: the parameters in definition order fill
+    buckets up to the policy's limits (so a small first limit goes to the parameters defined
+    first), and the buckets launch in reverse, the last defined first."""
+    buckets = assign_buckets(nbytes, dtypes, range(len(nbytes)), policy)
+    buckets.sort(key=min, reverse=True)
+    return buckets
+
+
 def _broadcast_coalesced(tensors, group, src=0, names=None):
     """Copies rank src's tensors to every rank: one broadcast per dtype, not one per tensor."""
     by_dtype = {}
@@ -138,12 +157,13 @@ class DistributedDataParallel(nn.Module):
     on a device] in csrc/reducer.c); ``bucket_cap_mb``; ``find_unused_parameters``;
     ``gradient_as_bucket_view``; ``broadcast_buffers``; ``static_graph`` (accepted, runs like
     the default path); ``no_sync()`` and ``require_backward_grad_sync``; ``register_comm_hook``
-    with the all-reduce, fp16 and bf16 compression hooks (see dptc.comm_hooks).
+    (the all-reduce, fp16 and bf16 compression hooks natively, any other hook in Python on a
+    CPU module; see dptc.comm_hooks).
     ``process_group`` may be any group dptc accepts (a dptc or torch group, a DeviceMesh
     dimension), or ``device_mesh`` a one-dimensional mesh.
     Not supported, with an error saying so:
     ``delay_all_reduce_named_params``/``param_to_hook_all_reduce``, ``mixed_precision`` (use
-    torch.autocast), arbitrary comm hooks.
+    torch.autocast), Python comm hooks on a CUDA module.
     """
 
     def __init__(self, module, device_ids=None, output_device=None, dim=0,
@@ -200,6 +220,7 @@ class DistributedDataParallel(nn.Module):
         self._param_names = names
         self._comm_mode = COMM_PLAIN
         self._comm_hook = None
+        self._comm_state = None
         self._buckets = None          # [(tensor, members, views)], in launch order
         self._assignment = None
         self._buckets_rebuilt = False
@@ -219,7 +240,10 @@ class DistributedDataParallel(nn.Module):
                                    self.find_unused_parameters, self.gradient_as_bucket_view,
                                    **device_kwargs)
         self._reducer.overlap = _overlaps(cuda, self.process_group)
-        self._install_buckets(list(reversed(range(len(params)))))
+        # See [Note: bucket launch order] in csrc/reducer.c.
+        self._install_buckets(first_buckets(
+            self._param_bytes(), [p.dtype for p in params],
+            self.bucket_policy.first_backward(self.find_unused_parameters, self.static_graph)))
         self._reducer.register_hooks()
 
         total = sum(p.numel() * p.element_size() for p in params)
@@ -276,11 +300,12 @@ class DistributedDataParallel(nn.Module):
         _broadcast_coalesced([t for _, t in states], self.process_group,
                              names=[f"parameter or buffer {n!r}" for n, _ in states])
 
-    def _install_buckets(self, order):
-        """Allocates buckets for `order` and hands them to the reducer (no-op if unchanged)."""
-        nbytes = [p.numel() * p.element_size() for p in self._params]
-        dtypes = [p.dtype for p in self._params]
-        assignment = assign_buckets(nbytes, dtypes, order, self.bucket_policy)
+    def _param_bytes(self):
+        return [p.numel() * p.element_size() for p in self._params]
+
+    def _install_buckets(self, assignment):
+        """Allocates buckets for `assignment` (lists of parameter indices, in launch order) and
+        hands them to the reducer (no-op if unchanged)."""
         if assignment == self._assignment:
             return False
         buckets = []
@@ -334,7 +359,21 @@ class DistributedDataParallel(nn.Module):
                 comm_code = dtype_code(compress)
             entries.append((tensor, dtype_code(tensor.dtype), list(members), list(views),
                             comm, comm_code))
-        self._reducer.set_buckets(entries, self._comm_mode)
+        launcher = self._launch_hook if self._comm_mode == COMM_PYTHON else None
+        self._reducer.set_buckets(entries, self._comm_mode, launcher)
+
+    def _launch_hook(self, k):
+        """Runs the Python comm hook on bucket k (called by the reducer when it launches the
+        bucket; see [Note: Python comm hooks] in csrc/reducer.c)."""
+        tensor, members, _ = self._buckets[k]
+        bucket = GradBucket(k, len(self._buckets), tensor, [self._params[i] for i in members])
+        future = self._comm_hook(self._comm_state, bucket)
+        if not isinstance(future, torch._C.Future):
+            raise TypeError(f"communication hook {hook_name(self._comm_hook)} returned "
+                            f"{type(future).__name__}; a hook returns a torch.futures.Future "
+                            f"holding the bucket's new gradients (for a hook that does not "
+                            f"communicate, a Future completed with set_result)")
+        return LaunchedBucket(future, tensor, self._comm_hook, k, self.process_group)
 
     def _point_grads_at_buckets(self):
         """gradient_as_bucket_view: existing grads move into the buckets and become views."""
@@ -364,7 +403,9 @@ class DistributedDataParallel(nn.Module):
             shared = torch.tensor(order, dtype=torch.int64)
             broadcast(shared, group_src=0, group=self.process_group)
             order = shared.tolist()
-        if self._install_buckets(order):
+        assignment = assign_buckets(self._param_bytes(), [p.dtype for p in self._params],
+                                    order, self.bucket_policy)
+        if self._install_buckets(assignment):
             logger.info("DistributedDataParallel buckets rebuilt from the first backward's "
                         "order: %d buckets", len(self._buckets))
 
@@ -407,35 +448,52 @@ class DistributedDataParallel(nn.Module):
             self.require_backward_grad_sync = old
 
     def register_comm_hook(self, state, hook):
-        """Chooses how buckets are communicated.
+        """Chooses how buckets are communicated, as torch's register_comm_hook.
 
-        Runs natively (no Python per bucket): dptc.comm_hooks.allreduce_hook,
+        Run natively (no Python per bucket): dptc.comm_hooks.allreduce_hook,
         fp16_compress_hook and bf16_compress_hook, and torch's default_hooks functions of the
-        same names.  state must be None or the DDP's process group.  Other hooks raise
-        NotImplementedError: dptc does not run arbitrary Python hooks yet.
+        same names; state must then be None or the DDP's process group.  Any other hook runs
+        in Python on a CPU module: ``hook(state, bucket)`` gets a dptc.comm_hooks.GradBucket
+        once the bucket is full and returns a torch.futures.Future of its new gradients (see
+        dptc.comm_hooks).  Register once, before the first backward.
         """
-        if not callable(hook):
-            raise TypeError(f"hook must be callable, got {type(hook).__name__}")
-        mode = native_mode(hook)
-        if mode is None:
-            name = getattr(hook, "__qualname__", repr(hook))
-            raise NotImplementedError(
-                f"register_comm_hook: dptc runs allreduce_hook, fp16_compress_hook and "
-                f"bf16_compress_hook (from dptc.comm_hooks or torch's default_hooks) natively; "
-                f"the Python hook {name} is not supported yet. Use one of those three, or "
-                f"torch's DistributedDataParallel for custom hooks.")
+        check_hook(hook)
         if self._comm_hook is not None:
             raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be "
                                "called once.")
-        if state is not None and resolve(state, "state") is not self.process_group:
+        mode = native_mode(hook)
+        if mode is None:
+            if self.device_type == "cuda":
+                raise NotImplementedError(
+                    f"register_comm_hook: the Python hook {hook_name(hook)} runs on CPU "
+                    f"modules only in dptc; a CUDA module takes allreduce_hook, "
+                    f"fp16_compress_hook or bf16_compress_hook (from dptc.comm_hooks or "
+                    f"torch's default_hooks)")
+            mode = COMM_PYTHON
+        elif state is not None and resolve(state, "state") is not self.process_group:
             raise ValueError(f"register_comm_hook: state must be None or the process group "
                              f"this DistributedDataParallel reduces over, got {state!r}")
+        self._set_comm(mode, hook, state)
+
+    def _register_builtin_comm_hook(self, comm_hook_type):
+        """torch's built-in hooks by type: ALLREDUCE and FP16_COMPRESS, both run natively."""
+        mode = builtin_mode(comm_hook_type)
+        if self._comm_hook is not None:
+            raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be "
+                               "called once.")
+        self._set_comm(mode, comm_hook_type, None)
+
+    def _set_comm(self, mode, hook, state):
+        if self._reducer.state == "reducing":
+            raise RuntimeError("register_comm_hook: a communication hook cannot be registered "
+                               "during a backward pass; register it before the first one")
         self._comm_hook = hook
-        if mode != self._comm_mode:
+        self._comm_state = state
+        if mode != self._comm_mode or mode == COMM_PYTHON:
             self._comm_mode = mode
             self._push_buckets()
-        logger.info("DistributedDataParallel communication hook: %s",
-                    getattr(hook, "__qualname__", hook))
+        logger.info("DistributedDataParallel communication hook: %s (%s)", hook_name(hook),
+                    "in Python" if mode == COMM_PYTHON else "native")
 
     def _set_static_graph(self):
         """Older spelling of static_graph=True; accepted (runs like the default path)."""

@@ -65,6 +65,24 @@ def test_assign_buckets_orders_by_readiness_and_splits_dtypes():
     assert all(len({dtypes[i] for i in bucket}) == 1 for bucket in buckets)
 
 
+def test_first_buckets_are_torchs():
+    """Before the first backward, torch's DDP fills buckets in definition order and launches
+    them last-defined first; by default (no find_unused_parameters) one bucket per dtype."""
+    from dptc.ddp import BucketPolicy, first_buckets
+    policy = BucketPolicy(bucket_bytes=100, first_bucket_bytes=40)
+    nbytes = [30, 30, 30, 60, 60, 8]
+    dtypes = [torch.float32] * 5 + [torch.float64]
+    # float32: [0, 1] closes at 60 >= 40 (first), then [2, 3, 4] at 150 >= 100; float64: [5].
+    # Launched by their first member, highest first, members in definition order.
+    assert first_buckets(nbytes, dtypes, policy) == [[5], [2, 3, 4], [0, 1]]
+    assert first_buckets(nbytes, dtypes, policy.first_backward(True, False)) == \
+        [[5], [2, 3, 4], [0, 1]]
+    assert first_buckets(nbytes, dtypes, policy.first_backward(False, False)) == \
+        [[5], [0, 1, 2, 3, 4]]
+    assert first_buckets(nbytes, dtypes, policy.first_backward(True, True)) == \
+        [[5], [0, 1, 2, 3, 4]]
+
+
 # ---------------------------------------------------------------------------------------------
 # Layer 2: one rank
 
@@ -85,7 +103,9 @@ def test_constructor_validation():
         "no_trainable_parameters": ("RuntimeError", "doesn't have any parameter"),
         "not_a_module": ("TypeError", "torch.nn.Module"),
         "unsupported_dtype": ("TypeError", "complex64"),
-        "custom_comm_hook": ("NotImplementedError", "not supported yet"),
+        "comm_hook_annotation": ("ValueError", "annotate it dist.GradBucket"),
+        "comm_hook_return_annotation": ("ValueError", "torch.futures.Future[torch.Tensor]"),
+        "builtin_comm_hook_type": ("ValueError", "BuiltinCommHookType"),
         "comm_hook_twice": ("RuntimeError", "only be called once"),
         "comm_hook_foreign_state": ("TypeError", "state"),
         "check_reduction_warns": ("FutureWarning", "check_reduction"),
@@ -103,7 +123,8 @@ def test_constructor_validation():
     assert not problems, "\n".join(problems)
     # Accepted as torch accepts them.
     for case in ("static_graph", "skip_all_reduce_unused_params", "torch_default_group",
-                 "torch_hooks_by_identity", "bucket_cap_mb_list", "init_sync_false"):
+                 "torch_hooks_by_identity", "bucket_cap_mb_list", "init_sync_false",
+                 "builtin_comm_hooks"):
         assert results[case] == {"type": None, "message": ""}, (case, results[case])
 
 
@@ -228,8 +249,16 @@ def validation_cases():
     def model():
         return nn.Linear(4, 4)
 
-    def custom_hook(state, bucket):
+    def annotated_hook(state, bucket: int):
         return bucket.buffer()
+
+    def return_annotated_hook(state, bucket) -> torch.Tensor:
+        return bucket.buffer()
+
+    def builtin_hooks():
+        for kind in (torch.distributed.BuiltinCommHookType.ALLREDUCE,
+                     torch.distributed.BuiltinCommHookType.FP16_COMPRESS):
+            DDP(model())._register_builtin_comm_hook(kind)
 
     def hook_twice():
         ddp = DDP(model())
@@ -268,7 +297,11 @@ def validation_cases():
         "no_trainable_parameters": lambda: DDP(frozen),
         "not_a_module": lambda: DDP(lambda x: x),
         "unsupported_dtype": lambda: DDP(nn.Linear(2, 2).to(torch.complex64)),
-        "custom_comm_hook": lambda: DDP(model()).register_comm_hook(None, custom_hook),
+        "comm_hook_annotation": lambda: DDP(model()).register_comm_hook(None, annotated_hook),
+        "comm_hook_return_annotation": lambda: DDP(model()).register_comm_hook(
+            None, return_annotated_hook),
+        "builtin_comm_hook_type": lambda: DDP(model())._register_builtin_comm_hook("fp16"),
+        "builtin_comm_hooks": builtin_hooks,
         "comm_hook_twice": hook_twice,
         "comm_hook_foreign_state": lambda: DDP(model()).register_comm_hook(
             "not a group", dptc.comm_hooks.allreduce_hook),

@@ -34,10 +34,10 @@ def test_buckets_rebuilt_once_from_rank0_order():
     results = run_ranks("tests.test_ddp_reducer:rebuild_case", 2, timeout=RUN_TIMEOUT_S)
     for rank, result in enumerate(results):
         assert result["initial"] != result["rebuilt"], result
-        # One bucket per layer.  Before the rebuild the last defined layer (parameters 10,
-        # 11) is expected first; layer 0 runs last in forward, so its gradients (0, 1) arrive
+        # Before the first backward, as torch's DDP: one bucket, in definition order.  Then
+        # one bucket per layer: layer 0 runs last in forward, so its gradients (0, 1) arrive
         # first, and the rebuilt assignment starts with it.
-        assert sorted(result["initial"][0]) == [10, 11], result
+        assert result["initial"] == [list(range(12))], result
         assert sorted(result["rebuilt"][0]) == [0, 1], result
         assert sorted(result["rebuilt"][-1]) == [10, 11], result
         assert result["after_more_steps"] == result["rebuilt"], result
@@ -66,12 +66,13 @@ def test_buckets_launch_during_backward(overlap):
     for stats in results:
         assert stats["steps"] == 3, stats
         assert stats["overlap"] == during, stats
-        # 6 buckets per step; with overlap, even the last one is full before the end of
-        # backward, which finds nothing left to launch.
-        assert stats["launched_in_backward"] == (18 if during else 0), stats
-        assert stats["launched_at_end"] == (0 if during else 18), stats
+        # One bucket in the first step (torch's, before the order is known), then 6 per
+        # step; with overlap, even the last one is full before the end of backward, which
+        # finds nothing left to launch.
+        assert stats["launched_in_backward"] == (13 if during else 0), stats
+        assert stats["launched_at_end"] == (0 if during else 13), stats
         # Contiguous gradients are reduced where they are ([Note: gradients in place]).
-        assert stats["launched_in_place"] == 18, stats
+        assert stats["launched_in_place"] == 13, stats
         # Either way the same numbers: every rank ends with rank-averaged gradients.
         assert stats["grad_rel_diff"] <= 1e-6, stats
 

@@ -317,6 +317,10 @@ def interrupted_step_end(late_s: float):
     model = _BoomNet()
     ddp = dptc.DistributedDataParallel(model, bucket_cap_mb=0.2)
     x = torch.randn(8, 256)
+    # One synced step first: the first backward has one bucket (torch's, before the order of
+    # the gradients is known), the next ones a bucket per layer.
+    ddp(x).sum().backward()
+    model.zero_grad(set_to_none=True)
     if rank == 1:
         time.sleep(late_s)
         started = time.monotonic()

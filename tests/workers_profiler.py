@@ -208,6 +208,10 @@ def _ddp_failure(dptc):
     model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(DDP_LAYERS)])
     ddp = dptc.DistributedDataParallel(model, bucket_cap_mb=WIDTH * WIDTH * 4 / 2 ** 20)
     skip_first = nn.Sequential(*list(model)[1:])
+    # Two full steps first: the first backward's order gives the buckets their layers, and
+    # the second forward installs them (one broadcast).
+    for _ in range(2):
+        ddp(torch.randn(4, WIDTH)).sum().backward()
     error = None
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         try:
