@@ -90,6 +90,9 @@ def parse_args(argv):
     parser.add_argument("--mp", default="none", choices=("none", "bf16"),
                         help="bf16: MixedPrecisionPolicy(param_dtype=bfloat16, "
                              "reduce_dtype=float32) on both fully_shards (DDP stays fp32)")
+    parser.add_argument("--shard-last", action="store_true",
+                        help="shard_placement_fn: matrices on Shard(-1), their last dim, on "
+                             "both fully_shards (the default is Shard(0) for every parameter)")
     parser.add_argument("--vocab", type=int, default=512)
     parser.add_argument("--d-model", type=int, default=256)
     parser.add_argument("--layers", "--n-layer", dest="layers", type=int, default=4)
@@ -155,10 +158,17 @@ def wrap(impl, model, args):
         from torch.distributed.fsdp import fully_shard as shard
         policy = mp_policies(args)[1]
     kwargs = {} if policy is None else {"mp_policy": policy}
+    if args.shard_last:
+        kwargs["shard_placement_fn"] = shard_last
     for block in model.blocks:
         shard(block, **kwargs)
     shard(model, **kwargs)
     return model
+
+
+def shard_last(param):
+    from torch.distributed.tensor import Shard
+    return Shard(-1) if param.dim() > 1 else None
 
 
 def build(args):
@@ -580,7 +590,7 @@ def mib(n):
 
 def header(args, th, nranks, torch_version, omp):
     print(f"# fsdp_step: {nranks} ranks, torch {torch_version}, OMP_NUM_THREADS={omp}, "
-          f"mp {args.mp}")
+          f"mp {args.mp}{', matrices on Shard(-1)' if args.shard_last else ''}")
     print(f"# model: examples/gpt.py build_gpt(vocab={args.vocab}, d_model={args.d_model}, "
           f"n_layer={args.layers}, n_head={args.n_head}, ctx={args.ctx}), "
           f"{th['params'] / 1e6:.2f} M parameters ({mib(th['full_bytes'])} MiB fp32); "

@@ -48,7 +48,8 @@ LAUNCHES = {
                    "resume_full", "rollback"], []),
     ("torch", 2): (["meta_full", "reset", "train_save", "resume_own", "resume_full",
                     "rollback", "resume_dptc"], [("dptc", 2)]),
-    ("dptc", 3): (["uninterrupted", "resume_dptc", "resume_torch"], [("dptc", 2), ("torch", 2)]),
+    ("dptc", 3): (["uninterrupted", "resume_dptc", "resume_torch", "resume_shard_last"],
+                  [("dptc", 2), ("torch", 2)]),
     ("dptc", 1): (["uninterrupted", "resume_dptc", "resume_torch"], [("dptc", 2), ("torch", 2)]),
 }
 
@@ -259,6 +260,17 @@ def test_dcp_resume_other_world_size(launches, world_size):
     assert max_rel_by_key(resumed, uninterrupted) <= FLOAT64_TOLERANCE
     assert max_rel_by_key(resumed, final_ws2) <= FLOAT64_TOLERANCE
     assert max_rel_by_key(uninterrupted, final_ws2) <= FLOAT64_TOLERANCE
+
+
+def test_dcp_resume_into_other_placements(launches):
+    """dptc's 2-rank checkpoint (Shard(0) everywhere) loads at 3 ranks into a model whose
+    matrices shard_placement_fn puts on their last dim (32 columns -> 11, 11, 10): the loaded
+    state is the saved one bit for bit, and M more steps match the uninterrupted Shard(0) run
+    at 3 ranks within FLOAT64_TOLERANCE."""
+    for rank, result in enumerate(launches.phase("dptc", 3, "resume_shard_last")):
+        _check_resumed(result, FLOAT64_TOLERANCE, rank)
+    resumed = launches.load("dptc_ws3_from_dptc_shard_last.pt")
+    assert max_rel_by_key(resumed, launches.load("dptc_ws3_final.pt")) <= FLOAT64_TOLERANCE
 
 
 @pytest.mark.parametrize("impl", ["dptc", "torch"])

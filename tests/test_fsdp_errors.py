@@ -12,7 +12,9 @@ layer is one launch whose results the tests share):
     0-dim parameter      torch: ValueError "doesn't support scalar parameters"; both accept it
                          in ignored_params
     reshard_after_forward=0 / 5 / "yes" at 2 ranks   torch: ValueError as well
-    shard_placement_fn   torch: supported; dptc shards on dim 0 only (NotImplementedError)
+    shard_placement_fn returning no Shard, or a dim the parameter lacks   torch: ValueError,
+                         AssertionError; Shard(1) of 3 columns at 2 ranks (uneven) torch
+                         refuses (NotImplementedError), dptc shards as torch.chunk does
     mesh="cpu"           torch: AttributeError "'str' object has no attribute 'ndim'"
     set_custom_all_gather  torch: supported; dptc: NotImplementedError naming the method
     prefetch of a module fully_shard was not applied to   torch: ValueError as well
@@ -65,8 +67,13 @@ REFUSALS = {
     "reshard_after_forward_str": ("ValueError", ["reshard_after_forward", "got 'yes'",
                                                  "None, a bool, or an int"],
                                   "ValueError", "should be a bool or an int"),
-    "shard_placement_fn": ("NotImplementedError", ["shard_placement_fn", "Shard(0)"],
-                           None, None),
+    "shard_placement_not_a_shard": ("ValueError", ["shard_placement_fn must return a Shard "
+                                                   "or None", "got 'x'", "Linear.weight"],
+                                    "ValueError", "Invalid shard_placement_fn result"),
+    "shard_placement_out_of_range": ("ValueError", ["Shard(2)", "Linear.weight (shape (4, 3))",
+                                                    "-2 <= d < 2"],
+                                     "AssertionError", "Shard dim 2 is invalid"),
+    "shard_placement_uneven": (None, [], "NotImplementedError", "uneven sharding on dim 1"),
     "mesh_of_wrong_type": ("TypeError", ["mesh must be a torch DeviceMesh", "init_device_mesh",
                                          "got str"],
                            "AttributeError", "has no attribute 'ndim'"),

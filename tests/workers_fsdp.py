@@ -63,6 +63,9 @@ class Scenario:
     # the same arithmetic, which torch's fully_shard can do only the second way.
     late: str = ""
     reference: bool = True              # train the single-process reference beside it
+    # "last": shard_placement_fn puts every parameter of 2 or more dims on Shard(-1), its
+    # last dim (the others on Shard(0)).
+    placement: str = ""
 
 
 SCENARIOS = {
@@ -85,7 +88,18 @@ SCENARIOS = {
     "odd_bf16": Scenario(model="odd", mp=True, reference=False, output_fp32=True),
     "gpt_unfreeze_bf16": Scenario(mp=True, reference=False, dtype=torch.float32, late="freeze"),
     "gpt_dropgrad_bf16": Scenario(mp=True, reference=False, dtype=torch.float32, late="drop"),
+    "gpt_shard_last": Scenario(placement="last"),
+    "gpt_no_reshard_shard_last": Scenario(placement="last", reshard_after_forward=False),
+    "odd_shard_last": Scenario(model="odd", placement="last"),
+    "gpt_hsdp_shard_last": Scenario(hsdp=True, placement="last"),
+    "gpt_bf16_shard_last": Scenario(mp=True, reference=False, dtype=torch.float32,
+                                    placement="last"),
 }
+
+
+def _shard_last(param):
+    from torch.distributed.tensor import Shard
+    return Shard(-1) if param.dim() > 1 else None
 
 
 class Odd(nn.Module):
@@ -166,6 +180,8 @@ def _apply(fsdp, model, scenario, impl):
     kwargs = {}
     if scenario.reshard_after_forward is not None:
         kwargs["reshard_after_forward"] = scenario.reshard_after_forward
+    if scenario.placement == "last":
+        kwargs["shard_placement_fn"] = _shard_last
     if scenario.mp:
         kwargs["mp_policy"] = fsdp.MixedPrecisionPolicy(
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
@@ -279,6 +295,10 @@ def _run(impl, name, scenario):
         "types": {n: type(p.data).__name__ for n, p in zip(names, model.parameters())},
         "placements": {n: [type(x).__name__ for x in getattr(p, "placements", ())]
                        for n, p in zip(names, model.parameters())},
+        "shard_dims": {n: [x.dim for x in getattr(p, "placements", ()) if hasattr(x, "dim")]
+                       for n, p in zip(names, model.parameters())},
+        "local_shapes": {n: list(p.to_local().shape if hasattr(p, "to_local") else p.shape)
+                         for n, p in zip(names, model.parameters())},
         "dtypes": {n: str(p.dtype) for n, p in zip(names, model.parameters())},
         "class": type(model).__name__,
         "grad_layouts": sorted(grad_layouts),

@@ -64,18 +64,24 @@ def _build(seed=SEED):
                      bias=False).to(torch.float64)
 
 
-def _shard(fsdp, model):
+def _shard_last(param):
+    """shard_placement_fn: matrices on their last dim, vectors on dim 0."""
+    from torch.distributed.tensor import Shard
+    return Shard(-1) if param.dim() > 1 else None
+
+
+def _shard(fsdp, model, shard_placement_fn=None):
     for block in model.blocks:
-        fsdp.fully_shard(block)
-    fsdp.fully_shard(model)
+        fsdp.fully_shard(block, shard_placement_fn=shard_placement_fn)
+    fsdp.fully_shard(model, shard_placement_fn=shard_placement_fn)
     return model
 
 
-def _meta_model(fsdp):
+def _meta_model(fsdp, shard_placement_fn=None):
     """A sharded GPT built on the meta device, then given (uninitialised) CPU storage."""
     with torch.device("meta"):
         model = _build()
-    _shard(fsdp, model)
+    _shard(fsdp, model, shard_placement_fn)
     model.to_empty(device="cpu")
     return model
 
@@ -371,12 +377,12 @@ def phase_uninterrupted(ctx):
     return {"losses": losses}
 
 
-def _resume(ctx, source, *, optimizer=True):
+def _resume(ctx, source, *, optimizer=True, shard_placement_fn=None, label=None):
     """A fresh sharded model + AdamW (meta init, to_empty: no values), dcp.load of checkpoint
     `source`, set_model/optimizer_state_dict, then M steps.  Returns what the loaded state and
     the continued run measure against the checkpoint's step-K file and the uninterrupted run of
     this launch."""
-    model = _meta_model(ctx.fsdp)
+    model = _meta_model(ctx.fsdp, shard_placement_fn)
     opt = _optimizer(model)
     state = {"model": get_model_state_dict(model)}
     if optimizer:
@@ -385,7 +391,7 @@ def _resume(ctx, source, *, optimizer=True):
     set_model_state_dict(model, state["model"])
     if optimizer:
         set_optimizer_state_dict(model, opt, state["optim"])
-    return _continue(ctx, model, opt, source)
+    return _continue(ctx, model, opt, source, label)
 
 
 def _continue(ctx, model, opt, source, label=None):
@@ -430,6 +436,12 @@ def phase_resume(ctx, sources):
         except Exception:  # noqa: BLE001 - reported to the test
             results[source] = {"ok": False, "error": traceback.format_exc()}
     return results
+
+
+def phase_resume_shard_last(ctx):
+    """dptc's 2-rank checkpoint (every parameter on Shard(0)) into a model whose matrices are
+    sharded on their last dim."""
+    return _resume(ctx, "dptc_sync", shard_placement_fn=_shard_last, label="dptc_shard_last")
 
 
 def phase_resume_model_only(ctx):
@@ -477,6 +489,7 @@ PHASES = {
     "resume_full": phase_resume_full,
     "resume_dptc": lambda ctx: phase_resume(ctx, ["dptc_sync", "dptc_async"]),
     "resume_torch": lambda ctx: phase_resume(ctx, ["torch_sync"]),
+    "resume_shard_last": phase_resume_shard_last,
 }
 
 

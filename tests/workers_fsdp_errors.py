@@ -172,9 +172,10 @@ def _refusals(impl, after):
     def reshard(value):
         return lambda: fs.fully_shard(_net(), reshard_after_forward=value)
 
-    def shard_placement_fn():
-        from torch.distributed.tensor import Shard
-        fs.fully_shard(_net(), shard_placement_fn=lambda param: Shard(0))
+    from torch.distributed.tensor import Shard
+
+    def placement(place):
+        return lambda: fs.fully_shard(nn.Linear(3, 4), shard_placement_fn=place)
 
     def mesh_of_wrong_type():
         module = _net()
@@ -213,7 +214,9 @@ def _refusals(impl, after):
         "reshard_after_forward_0": reshard(0),
         "reshard_after_forward_5": reshard(5),
         "reshard_after_forward_str": reshard("yes"),
-        "shard_placement_fn": shard_placement_fn,
+        "shard_placement_not_a_shard": placement(lambda param: "x"),
+        "shard_placement_out_of_range": placement(lambda param: Shard(2)),
+        "shard_placement_uneven": placement(lambda param: Shard(param.dim() - 1)),
         "mesh_of_wrong_type": mesh_of_wrong_type,
         "set_custom_all_gather": set_custom_all_gather,
         "forward_prefetch_of_plain_module": forward_prefetch_of_plain_module,

@@ -271,6 +271,33 @@ def _check_param(param, where):
                          f"CUDA (or meta) parameters; move the module with .cpu() or .cuda()")
 
 
+def _shard_dims(params, shard_placement_fn):
+    """Each parameter's shard dim, as shard_placement_fn places it: Shard(dim) (a negative
+    dim counts from the last), or None for Shard(0)."""
+    dims = []
+    for param, locations in params:
+        result = shard_placement_fn(param) if shard_placement_fn is not None else None
+        if result is None:
+            dims.append(0)
+            continue
+        module_, name = locations[0]
+        where = f"{type(module_).__name__}.{name} (shape {tuple(param.shape)})"
+        if type(result).__name__ == "ShardPlacementResult":
+            raise NotImplementedError(f"shard_placement_fn returned a ShardPlacementResult for "
+                                      f"{where}: dptc shards every parameter of a unit on its "
+                                      f"mesh; return a Shard (or None for Shard(0))")
+        if type(result) is not Shard:
+            raise ValueError(f"shard_placement_fn must return a Shard or None, got {result!r} "
+                             f"for {where}")
+        dim = result.dim + param.dim() if result.dim < 0 else result.dim
+        if not 0 <= dim < param.dim():
+            raise ValueError(f"shard_placement_fn returned Shard({result.dim}) for {where}, "
+                             f"which has no such dim; return Shard(d) with "
+                             f"-{param.dim()} <= d < {param.dim()}")
+        dims.append(dim)
+    return dims
+
+
 def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placement_fn=None,
                 mp_policy=MixedPrecisionPolicy(), offload_policy=OffloadPolicy(),
                 ignored_params=None):
@@ -285,9 +312,9 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
         if isinstance(m, FSDPModule):
             raise ValueError(f"fully_shard was already applied to this {type(m).__name__}; "
                              f"apply it once per module")
-    if shard_placement_fn is not None:
-        raise NotImplementedError("fully_shard(shard_placement_fn=...) is not implemented by "
-                                  "dptc: parameters are sharded on dim 0 (Shard(0))")
+    if shard_placement_fn is not None and not callable(shard_placement_fn):
+        raise TypeError(f"shard_placement_fn must be None or a callable taking a parameter "
+                        f"and returning a Shard or None, got {shard_placement_fn!r}")
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         if not all(hasattr(mp_policy, f) for f in ("param_dtype", "reduce_dtype",
                                                     "output_dtype", "cast_forward_inputs")):
@@ -317,7 +344,8 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
     for param, locations in params:
         module_, name = locations[0]
         _check_param(param, f"{type(module_).__name__}.{name}")
-    unit = Unit(params, mesh, shard_group, replicate_group, mp_policy) if params else None
+    dims = _shard_dims(params, shard_placement_fn)
+    unit = Unit(params, mesh, shard_group, replicate_group, mp_policy, dims) if params else None
     if unit is not None:
         for p in unit.params:
             p.owners = modules

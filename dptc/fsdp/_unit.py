@@ -2,21 +2,29 @@
 machine (``dptc._C.Unit``, csrc/shard.c) gathers into and reduces from.
 
 [Note: sharded layout]
-Parameter p of dim-0 size d, sharded over N ranks, is split as ``torch.chunk`` splits it: rank r
-holds rows [r * c, min(d, (r + 1) * c)) with c = ceil(d / N), so for d = 5 on 4 ranks the ranks
-hold 2, 2, 1 and 0 rows.  Every rank reserves c rows (the padded piece), and the pieces of a
-unit's parameters that share dtypes lie one after another in one flat shard buffer (a bucket).
-The DTensor a user sees wraps the unpadded view of p's piece, so the optimizer, clip_grad_norm_
-and DCP read and write the flat buffer in place, and the buffer is the all-gather's input as it
-stands (or, under a param_dtype, after one cast).
+Parameter p of size d on its shard dim (dim 0 unless shard_placement_fn says otherwise),
+sharded over N ranks, is split as ``torch.chunk`` splits it: rank r holds the slices
+[r * c, min(d, (r + 1) * c)) with c = ceil(d / N), so for d = 5 on 4 ranks the ranks hold 2, 2,
+1 and 0 slices ("rows" below, whatever the dim).  Every rank reserves c rows (the padded piece),
+and the pieces of a unit's parameters that share dtypes lie one after another in one flat shard
+buffer (a bucket).  A piece holds its rows first, contiguous in p's own dim order (its local
+shape is p's with c' <= c on the shard dim), then the padding.  The DTensor a user sees wraps
+that unpadded local tensor, so the optimizer, clip_grad_norm_ and DCP read and write the flat
+buffer in place, and the buffer is the all-gather's input as it stands (or, under a
+param_dtype, after one cast).
 
-The all-gather writes rank r's piece of p straight into rows [r * c, (r + 1) * c) of p's padded
-unsharded storage (N * c rows); the unsharded parameter is the view of its first d rows.  Freeing
-it resizes that storage to 0 bytes and unsharding resizes it back, so the tensors autograd saved
-in forward see the gathered values again when backward gathers.
+The all-gather writes rank r's piece of p into [r * c, (r + 1) * c) rows' worth of p's padded
+unsharded storage.  On dim 0 that is the unsharded layout itself: the unsharded parameter is the
+view of its first d rows.  Freeing it resizes that storage to 0 bytes and unsharding resizes it
+back, so the tensors autograd saved in forward see the gathered values again when backward
+gathers.  On another dim the ranks' pieces are concatenated along it into the unsharded
+parameter's own storage once the gather is done (torch.cat through an alias, so autograd's
+saved tensors do not count it as a modification); the padded storage is freed at once, the
+unsharded one at reshard.
 
 Gradients go the other way: ``torch._chunk_cat`` lays the unsharded gradients out by rank (piece
-r of every parameter, padded, in the same order as the shard buffer) in the reduce dtype, and the
+r of every parameter, padded, in the same order as the shard buffer) in the reduce dtype, or, in
+a bucket with a parameter sharded on another dim, one copy per parameter and rank; the
 reduce-scatter leaves this rank's reduced pieces in a flat buffer whose views become the sharded
 gradients.
 """
@@ -39,29 +47,91 @@ class _Param:
     """One managed parameter: the modules that hold it, its piece of the shard buffer, and its
     unsharded storage."""
 
-    def __init__(self, param, locations, size, rank):
+    def __init__(self, param, locations, size, rank, dim=0):
         self.locations = locations            # [(module, attribute name)], several when tied
         self.owners = []                      # the modules fully_shard was applied to
         self.shape = param.shape
         self.stride = param.stride() if not param.is_meta else _contiguous_stride(param.shape)
         self.orig_dtype = param.dtype
-        self.dim0 = self.shape[0]
-        self.row_numel = math.prod(self.shape[1:])
-        self.rows = -(-self.dim0 // size)     # padded rows per rank, see [Note: sharded layout]
-        start = min(self.dim0, rank * self.rows)
-        self.local_rows = min(self.dim0, start + self.rows) - start
-        self.start = start
+        self.dim = dim                        # the shard dim, see [Note: sharded layout]
+        self.extent = self.shape[dim]         # its size
+        self.row_numel = math.prod(n for k, n in enumerate(self.shape) if k != dim)
+        self.size = size
+        self.rows = -(-self.extent // size)   # padded rows per rank
+        self.start = self.rank_start(rank)
+        self.local_rows = self.rank_rows(rank)
         self.piece = self.rows * self.row_numel
         self.offset = 0                       # in the bucket's shard buffer
         self.sharded = None                   # nn.Parameter(DTensor)
-        self.padded = None                    # (size * rows, ...) unsharded storage
-        self.unsharded = None                 # nn.Parameter, the first dim0 rows of padded
+        self.padded = None                    # the gather's output: size pieces
+        self.unsharded = None                 # nn.Parameter, full shape
+        self.writer = None                    # dim != 0: an alias of unsharded's storage
+        self.assembled = False                # dim != 0: unsharded holds the gathered values
         self.hook = None                      # its post-accumulate-grad hook
         self.summoned = None                  # full parameter inside summon_full_params
 
+    def rank_start(self, rank):
+        return min(self.extent, rank * self.rows)
+
+    def rank_rows(self, rank):
+        start = self.rank_start(rank)
+        return min(self.extent, start + self.rows) - start
+
+    def rank_shape(self, rank):
+        return self.shape_with_rows(self.rank_rows(rank))
+
     @property
     def local_shape(self):
-        return (self.local_rows,) + tuple(self.shape[1:])
+        return self.shape_with_rows(self.local_rows)
+
+    def shape_with_rows(self, rows):
+        shape = list(self.shape)
+        shape[self.dim] = rows
+        return tuple(shape)
+
+    def narrow(self, full, rank=None):
+        """Rank's rows (default: this rank's) of a full-shape tensor."""
+        if rank is None:
+            return full.narrow(self.dim, self.start, self.local_rows)
+        return full.narrow(self.dim, self.rank_start(rank), self.rank_rows(rank))
+
+    def assemble(self):
+        """dim != 0: concatenates the gathered pieces along the shard dim into the unsharded
+        parameter and frees the gather's output (see [Note: sharded layout])."""
+        if self.dim == 0 or self.assembled:
+            return
+        blocks = [self.padded[r * self.piece:r * self.piece + self.rank_rows(r) * self.row_numel]
+                  .view(self.rank_shape(r)) for r in range(self.size) if self.rank_rows(r)]
+        with torch.no_grad():
+            torch.cat(blocks, dim=self.dim, out=self.writer)
+        self.padded.untyped_storage().resize_(0)
+        self.assembled = True
+
+    def lay_out_gradient(self, grad, source):
+        """Writes grad (full shape) into its piece of every rank's row of source (size x
+        numel), zeroing the padding, as _chunk_cat does."""
+        for r in range(self.size):
+            used = self.rank_rows(r) * self.row_numel
+            piece = source[r, self.offset:self.offset + self.piece]
+            if used:
+                piece[:used].view(self.rank_shape(r)).copy_(self.narrow(grad, r))
+            piece[used:].zero_()
+
+    def _storage_tensors(self):
+        return [self.padded] if self.dim == 0 else [self.padded, self.writer]
+
+    def allocate(self):
+        """Gives the unsharded storage its bytes back, for a gather."""
+        self.assembled = False
+        for tensor in self._storage_tensors():
+            storage = tensor.untyped_storage()
+            if storage.size() == 0:
+                storage.resize_(tensor.numel() * tensor.element_size())
+
+    def free(self):
+        """Frees the unsharded storage (the module holds the sharded parameter again)."""
+        for tensor in self._storage_tensors():
+            tensor.untyped_storage().resize_(0)
 
     def local_view(self, flat):
         begin = self.offset
@@ -167,7 +237,8 @@ class Unit:
     """The parameters one fully_shard call manages, on the mesh's shard group (and, for HSDP,
     its replicate group)."""
 
-    def __init__(self, params_and_locations, mesh, shard_group, replicate_group, mp_policy):
+    def __init__(self, params_and_locations, mesh, shard_group, replicate_group, mp_policy,
+                 shard_dims=None):
         self.mesh = mesh
         self.group = shard_group
         self.replicate_group = replicate_group
@@ -179,10 +250,10 @@ class Unit:
                              f"{sorted(str(d) for d in devices)}; move the module with .to()")
         self.device = devices.pop() if devices else torch.device("cpu")
         size, rank = shard_group.size, shard_group.rank
-        self.placements = ((Replicate(), Shard(0)) if replicate_group is not None
-                           else (Shard(0),))
-        self.params = [_Param(param, locations, size, rank)
-                       for param, locations in params_and_locations]
+        self.hsdp = replicate_group is not None
+        shard_dims = shard_dims or [0] * len(params_and_locations)
+        self.params = [_Param(param, locations, size, rank, dim)
+                       for (param, locations), dim in zip(params_and_locations, shard_dims)]
         by_dtypes = {}
         for p in self.params:
             compute = p.orig_dtype
@@ -222,12 +293,21 @@ class Unit:
             local = p.local_alias(bucket.flat)
             if not orig.is_meta and p.local_rows:
                 with torch.no_grad():
-                    local.copy_(orig.detach().narrow(0, p.start, p.local_rows))
+                    local.copy_(p.narrow(orig.detach()))
             p.sharded = nn.Parameter(self._dtensor(local, p), requires_grad=orig.requires_grad)
-            p.padded = torch.empty((self.group.size * p.rows,) + tuple(p.shape[1:]),
-                                   dtype=bucket.compute_dtype, device=self.device)
-            p.unsharded = nn.Parameter(p.padded[:p.dim0], requires_grad=orig.requires_grad)
-            p.padded.untyped_storage().resize_(0)
+            kind = dict(dtype=bucket.compute_dtype, device=self.device)
+            if p.dim == 0:
+                p.padded = torch.empty((self.group.size * p.rows,) + tuple(p.shape[1:]), **kind)
+                p.unsharded = nn.Parameter(p.padded[:p.extent], requires_grad=orig.requires_grad)
+            else:
+                p.padded = torch.empty(self.group.size * p.piece, **kind)
+                full = torch.empty(p.shape, **kind)
+                p.unsharded = nn.Parameter(full, requires_grad=orig.requires_grad)
+                # Its own version counter: writing the gathered values through it does not
+                # invalidate the tensors autograd saved from the unsharded parameter.
+                p.writer = torch.empty(0, **kind).set_(full.untyped_storage(), 0, full.shape,
+                                                       full.stride())
+            p.free()
             p.register(p.sharded)
 
     def _new_flat(self, bucket, on_meta=False):
@@ -251,7 +331,8 @@ class Unit:
         return self.device.type == "cpu" and self.group.size > 1 and self.group.nnodes == 1
 
     def _dtensor(self, local, p):
-        return DTensor.from_local(local, self.mesh, self.placements, run_check=False,
+        placements = (Replicate(), Shard(p.dim)) if self.hsdp else (Shard(p.dim),)
+        return DTensor.from_local(local, self.mesh, placements, run_check=False,
                                   shape=p.shape, stride=p.stride)
 
     def reset_sharded(self):
@@ -302,9 +383,7 @@ class Unit:
                 continue
             gathered = bucket.gathered
             for p in gathered:
-                storage = p.padded.untyped_storage()
-                if storage.size() == 0:
-                    storage.resize_(p.padded.numel() * p.padded.element_size())
+                p.allocate()
             if not gathered:
                 continue
             source = bucket.flat
@@ -321,6 +400,8 @@ class Unit:
                     raise RuntimeError("wait_unshard before unshard")
             else:
                 bucket.c.wait_unshard()
+                for p in bucket.gathered:
+                    p.assemble()
             for p in bucket.params:
                 p.unsharded.requires_grad_(p.sharded.requires_grad)
                 self._hook(p)
@@ -331,7 +412,7 @@ class Unit:
         for bucket in self.buckets:
             bucket.c.reshard()
             for p in bucket.params:
-                p.padded.untyped_storage().resize_(0)
+                p.free()
                 p.register(p.sharded)
 
     def summon(self, with_grads=False):
@@ -352,8 +433,7 @@ class Unit:
             for bucket in self.buckets:
                 for p in bucket.params:
                     if writeback and p.local_rows and p.summoned is not None:
-                        p.local_view(bucket.flat).copy_(
-                            p.summoned.narrow(0, p.start, p.local_rows))
+                        p.local_view(bucket.flat).copy_(p.narrow(p.summoned))
                     p.summoned = None
                     p.register(p.sharded)
 
@@ -420,7 +500,7 @@ class Unit:
                 if grad is None:
                     grad = torch.zeros(p.shape, dtype=bucket.reduce_dtype, device=self.device)
                 if p.piece > 0:
-                    grads.append(grad.reshape(p.dim0, p.row_numel))
+                    grads.append((p, grad))
                 p.unsharded.grad = None
             if not any(had):
                 continue
@@ -433,8 +513,12 @@ class Unit:
                 offsets[dtype] += size * bucket.numel * dtype.itemsize
             else:
                 source = torch.empty((size, bucket.numel), dtype=dtype, device=self.device)
-            if grads:
-                torch._chunk_cat(grads, dim=0, num_chunks=size, out=source)
+            if any(p.dim for p, _ in grads):
+                for p, grad in grads:
+                    p.lay_out_gradient(grad, source)
+            elif grads:
+                torch._chunk_cat([grad.reshape(p.extent, p.row_numel) for p, grad in grads],
+                                 dim=0, num_chunks=size, out=source)
             output = torch.empty(bucket.numel, dtype=bucket.reduce_dtype, device=self.device)
             code = dtype_code(bucket.reduce_dtype)
             custom = self.divide_factor is not None
