@@ -38,19 +38,21 @@
  * Every rank holds the same bucket assignment, torch's: before the first
  * backward one bucket per dtype (the parameter order need not be the order
  * gradients arrive in; with find_unused_parameters, or bucket_cap_mb_list,
- * buckets of the usual sizes in reverse parameter order), afterwards
+ * buckets of the usual sizes filled in definition order and launched the
+ * last defined first, see first_buckets), afterwards
  * buckets of the usual sizes in the order observed on rank 0 in the first
  * backward, which ddp.py broadcasts (see _rebuild_buckets).  A Python comm
  * hook sees bucket k hold what it holds under torch.  Buckets are submitted
  * strictly in bucket order: when bucket k becomes full it is submitted only
  * if buckets 0..k-1 have been; otherwise it waits, and the hook that
  * completes bucket j submits j and then every full bucket after it
- * (launch_ready_buckets).  So every rank issues the same all-reduces in the same order whatever order
- * its gradients arrive in, which is what the engine's fingerprint check
- * (see [Note: collective order] in engine.h) expects; a rank whose order
- * differs gets a CollectiveMismatchError instead of silently reducing the
- * wrong bytes.  Buckets that are not full when backward ends (unused
- * parameters) are launched by the finalize callback, still in order, and
+ * (launch_ready_buckets).  So every rank issues the same all-reduces in the
+ * same order whatever order its gradients arrive in, which is what the
+ * engine's fingerprint check (see [Note: collective order] in engine.h)
+ * expects; a rank whose order differs gets a CollectiveMismatchError instead
+ * of silently reducing the wrong bytes.  Buckets that are not full when
+ * backward ends (unused parameters) are launched by the finalize callback,
+ * still in order, and
  * with find_unused_parameters=True the used-parameter map is all-reduced
  * after the last bucket, so it too has the same position on every rank.
  *

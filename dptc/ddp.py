@@ -246,7 +246,7 @@ class DistributedDataParallel(nn.Module):
             self.bucket_policy.first_backward(self.find_unused_parameters, self.static_graph)))
         self._reducer.register_hooks()
 
-        total = sum(p.numel() * p.element_size() for p in params)
+        total = sum(self._param_bytes())
         logger.info("Applied DistributedDataParallel to %s: %d parameters, %.2f MiB of "
                     "gradients in %d buckets (cap %.2f MiB, first %.2f MiB), world size %d, "
                     "find_unused_parameters=%s, gradient_as_bucket_view=%s, buckets launched "
@@ -458,9 +458,6 @@ class DistributedDataParallel(nn.Module):
         dptc.comm_hooks).  Register once, before the first backward.
         """
         check_hook(hook)
-        if self._comm_hook is not None:
-            raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be "
-                               "called once.")
         mode = native_mode(hook)
         if mode is None:
             if self.device_type == "cuda":
@@ -477,13 +474,12 @@ class DistributedDataParallel(nn.Module):
 
     def _register_builtin_comm_hook(self, comm_hook_type):
         """torch's built-in hooks by type: ALLREDUCE and FP16_COMPRESS, both run natively."""
-        mode = builtin_mode(comm_hook_type)
+        self._set_comm(builtin_mode(comm_hook_type), comm_hook_type, None)
+
+    def _set_comm(self, mode, hook, state):
         if self._comm_hook is not None:
             raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be "
                                "called once.")
-        self._set_comm(mode, comm_hook_type, None)
-
-    def _set_comm(self, mode, hook, state):
         if self._reducer.state == "reducing":
             raise RuntimeError("register_comm_hook: a communication hook cannot be registered "
                                "during a backward pass; register it before the first one")

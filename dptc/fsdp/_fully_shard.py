@@ -274,9 +274,11 @@ def _check_param(param, where):
 def _shard_dims(params, shard_placement_fn):
     """Each parameter's shard dim, as shard_placement_fn places it: Shard(dim) (a negative
     dim counts from the last), or None for Shard(0)."""
+    if shard_placement_fn is None:
+        return None   # Unit's default: every parameter on Shard(0)
     dims = []
     for param, locations in params:
-        result = shard_placement_fn(param) if shard_placement_fn is not None else None
+        result = shard_placement_fn(param)
         if result is None:
             dims.append(0)
             continue
