@@ -864,9 +864,9 @@ static dptc_status work_complete_device(dptc_work **work, void *stream, dptc_err
 }
 
 /* With find_unused_parameters: marks every parameter that is not ready
- * (with its current .grad, which does not make it used), launches the rest
- * of the buckets and then the used map.  GIL held. */
-static dptc_status launch_unused(ReducerObject *r, dptc_error *err)
+ * (with its current .grad, which does not make it used), which launches the
+ * buckets they complete, and fills the used map.  GIL held. */
+static dptc_status mark_unused(ReducerObject *r, dptc_error *err)
 {
     for (Py_ssize_t i = 0; i < r->nslots; i++) {
         param_slot *s = &r->slots[i];
@@ -894,6 +894,13 @@ static dptc_status launch_unused(ReducerObject *r, dptc_error *err)
             copy_bytes(s->saved, r->buckets[s->bucket].data + s->offset, s->nbytes);
         }
     }
+    return DPTC_OK;
+}
+
+/* Submits the used map's all-reduce, after every bucket (see [Note: bucket
+ * launch order]).  GIL held. */
+static dptc_status launch_used_map(ReducerObject *r, dptc_error *err)
+{
     if (r->nslots == 0)
         return DPTC_OK;
     dptc_group *g = dptc_group_from_object(reducer_state(r), r->group, "process_group");
@@ -1510,13 +1517,15 @@ static PyObject *finalize_step(ReducerObject *r)
     dptc_error err = {{0}};
     dptc_status status;
     if (r->find_unused) {
-        status = launch_unused(r, &err);
+        status = mark_unused(r, &err);
         if (status != DPTC_OK)
             return step_fail(r, status, &err);
     } else if (check_all_ready(r) != DPTC_OK) {
         return NULL; /* the group is aborted and the step ended */
     }
     status = launch_ready_buckets(r, 1, &err);  /* what waited, see [Note: overlap] */
+    if (status == DPTC_OK && r->find_unused)
+        status = launch_used_map(r, &err);
     if (status != DPTC_OK)
         return step_fail(r, status, &err);
     status = wait_and_copy_back(r, &err);

@@ -68,7 +68,7 @@ TOLERANCES = {
 
 ALL_SCENARIOS = [
     "default", "tiny_buckets", "bucket_view", "no_sync", "sync_attribute", "unused_global",
-    "rank_branch", "tied_gpt", "frozen", "channels_last", "odd_sizes", "rank_init", "buffers",
+    "rank_branch", "rank_extra_head", "tied_gpt", "frozen", "channels_last", "odd_sizes", "rank_init", "buffers",
     "autocast_bf16", "amp_scaler", "hook_allreduce", "hook_fp16", "hook_bf16",
     "hook_allreduce_own", "hook_fp16_own", "hook_bf16_own",
 ]
@@ -83,7 +83,7 @@ class Group:
 
 GROUPS = {
     "a": Group(2, True, ("default", "tiny_buckets", "bucket_view", "no_sync", "sync_attribute",
-                         "unused_global", "rank_branch", "tied_gpt")),
+                         "unused_global", "rank_branch", "rank_extra_head", "tied_gpt")),
     "b": Group(2, False, ("frozen", "channels_last", "odd_sizes", "rank_init", "buffers",
                           "autocast_bf16", "amp_scaler", "hook_allreduce", "hook_fp16",
                           "hook_bf16",

@@ -83,7 +83,8 @@ class MLPWithUnused(MLP):
 
 
 class BranchMLP(nn.Module):
-    """A shared trunk and two heads; the caller picks the head (rank-dependent in the tests)."""
+    """A shared trunk and two heads; the caller picks the head, or "both" (rank-dependent in
+    the tests)."""
 
     def __init__(self):
         super().__init__()
@@ -93,6 +94,8 @@ class BranchMLP(nn.Module):
 
     def forward(self, x, branch):
         hidden = torch.tanh(self.trunk(x))
+        if branch == "both":
+            return self.head_a(hidden) + self.head_b(hidden)
         return self.head_a(hidden) if branch == 0 else self.head_b(hidden)
 
 
@@ -189,6 +192,13 @@ def branch_loss(model, batch, rank):
     return F.cross_entropy(model(inputs, branch=rank % 2), labels)
 
 
+def extra_head_loss(model, batch, rank):
+    """Rank 0 uses every parameter, the others leave head_b out: a rank with nothing unused
+    meets ranks with unused parameters."""
+    inputs, labels = batch
+    return F.cross_entropy(model(inputs, branch="both" if rank == 0 else 0), labels)
+
+
 def gpt_loss(model, batch, rank):
     inputs, targets = batch
     return GPT.loss(model(inputs), targets)
@@ -224,6 +234,9 @@ SCENARIOS = {
     "unused_global": Scenario(MLPWithUnused, ddp_kwargs={"find_unused_parameters": True}),
     "rank_branch": Scenario(BranchMLP, loss=branch_loss, per_rank_reference=True,
                             ddp_kwargs={"find_unused_parameters": True}),
+    "rank_extra_head": Scenario(BranchMLP, loss=extra_head_loss, per_rank_reference=True,
+                                ddp_kwargs={"find_unused_parameters": True,
+                                            "bucket_cap_mb": 0.001}),
     "tied_gpt": Scenario(tiny_gpt, batch=token_batch, loss=gpt_loss),
     "frozen": Scenario(frozen_mlp),
     "channels_last": Scenario(channels_last_convnet, batch=image_batch),
