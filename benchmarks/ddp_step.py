@@ -41,6 +41,7 @@ hidden behind backward is
 """
 
 import argparse
+import contextlib
 import copy
 import json
 import os
@@ -94,6 +95,9 @@ def parse_args(argv):
                         help="python: both wrappers run a Python comm hook (torch's "
                              "allreduce_hook under another name, all-reducing over gloo); the "
                              "comm phases still time the collectives DDP runs without one")
+    parser.add_argument("--join", action="store_true",
+                        help="every wrapped step runs inside its wrapper's join() (even "
+                             "inputs: what join()'s own collectives cost per step)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     parser.add_argument("--timeout", type=float, default=600,
@@ -278,7 +282,11 @@ def main(argv=None):
     }
     prepare = {"torch comm": refresh(buffer, source), f"{label} comm": refresh(test_buffer, source)}
     barrier = import_dptc().barrier if args.sync == "dptc" else dist.barrier
-    samples = run_phases(phases, args, barrier, prepare)
+    with contextlib.ExitStack() as joins:
+        if args.join:
+            joins.enter_context(torch_ddp.join())
+            joins.enter_context(test_ddp.join())
+        samples = run_phases(phases, args, barrier, prepare)
     medians = {name: slowest_rank_median(s) for name, s in samples.items()}
     # Both wrapped copies started equal and took the same steps on the same batches.
     drift = torch.tensor([max_parameter_difference(models["torch"], models["test"])],
@@ -307,7 +315,8 @@ def main(argv=None):
               f"{params / 1e6:.2f} M parameters, {buffer.nbytes / MB:.1f} MiB of gradients "
               f"in {len(pieces)} piece(s) of <= {args.bucket_cap_mb:g} MiB"
               f"{', gradient_as_bucket_view=True' if args.bucket_view else ''}"
-              f"{', a Python comm hook (gloo) on both wrappers' if args.hook == 'python' else ''}")
+              f"{', a Python comm hook (gloo) on both wrappers' if args.hook == 'python' else ''}"
+              f"{', every step inside join()' if args.join else ''}")
         print(f"# step: batch {args.batch}x{args.ctx} per rank, forward + cross-entropy + "
               f"backward + AdamW; {args.warmup} warm-up and {args.steps} timed steps per phase "
               f"in blocks of {args.block}; time = median over steps of the slowest rank")

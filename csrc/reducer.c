@@ -214,6 +214,8 @@ struct ReducerObject {
 
     /* Per-backward state */
     step_state state;
+    double scale;              /* reduced gradients are multiplied by it at
+                                  the end, see [Note: a step's scale] */
     Py_ssize_t next_launch;    /* first bucket not yet submitted */
     Py_ssize_t open_ranges;    /* buckets whose range is open: while 0, hooks
                                   look for no completions */
@@ -317,6 +319,16 @@ static dptc_status tensor_call(PyObject *tensor, const char *method, PyObject *a
 {
     PyObject *done = arg ? PyObject_CallMethod(tensor, method, "O", arg)
                          : PyObject_CallMethod(tensor, method, NULL);
+    if (!done)
+        return DPTC_ERR_PYTHON;
+    Py_DECREF(done);
+    return DPTC_OK;
+}
+
+/* tensor.mul_(scale), on the current stream for a device tensor.  GIL held. */
+static dptc_status tensor_scale(PyObject *tensor, double scale)
+{
+    PyObject *done = PyObject_CallMethod(tensor, "mul_", "d", scale);
     if (!done)
         return DPTC_ERR_PYTHON;
     Py_DECREF(done);
@@ -606,6 +618,7 @@ static void step_end(ReducerObject *r)
         Py_CLEAR(s->saved_tensor);
     }
     r->next_launch = 0;
+    r->scale = 1.0;
     r->state = STEP_IDLE;
 }
 
@@ -1212,6 +1225,7 @@ static PyObject *reducer_new(PyTypeObject *type, PyObject *args, PyObject *kwarg
     r->overlap = 1;
     r->comm = COMM_PLAIN;
     r->state = STEP_IDLE;
+    r->scale = 1.0;
     r->slots = PyMem_Calloc((size_t)n + 1, sizeof *r->slots);
     r->order = PyMem_Calloc((size_t)n + 1, sizeof *r->order);
     r->used_map = PyMem_RawCalloc((size_t)n + 1, 1);
@@ -1484,15 +1498,17 @@ static PyObject *reducer_remove_hooks_method(PyObject *op, PyObject *Py_UNUSED(i
 }
 
 PyDoc_STRVAR(prepare_doc,
-"prepare_for_backward(sync)\n--\n\n"
+"prepare_for_backward(sync, scale=1.0)\n--\n\n"
 "Called by forward: the next backward reduces (sync=True) or only accumulates.\n"
+"scale multiplies its averages (see [Note: a step's scale]).\n"
 "Raises if the previous synced backward was interrupted before it finished.");
 
-static PyObject *reducer_prepare_for_backward(PyObject *op, PyObject *arg)
+static PyObject *reducer_prepare_for_backward(PyObject *op, PyObject *args)
 {
     ReducerObject *r = (ReducerObject *)op;
-    int sync = PyObject_IsTrue(arg);
-    if (sync < 0)
+    int sync;
+    double scale = 1.0;
+    if (!PyArg_ParseTuple(args, "p|d:prepare_for_backward", &sync, &scale))
         return NULL;
     if (r->state == STEP_REDUCING) {
         /* A backward started reducing and never reached its finalize
@@ -1508,7 +1524,33 @@ static PyObject *reducer_prepare_for_backward(PyObject *op, PyObject *arg)
         return NULL;
     }
     r->state = sync ? STEP_EXPECTING : STEP_IDLE;
+    r->scale = sync ? scale : 1.0;
     Py_RETURN_NONE;
+}
+
+/* [Note: a step's scale]
+ * Under DDP's join() with divide_by_initial_world_size=False, a step's
+ * gradients are divided by the number of ranks that have not yet joined
+ * rather than by the group's size (ddp.py learns that number in forward).
+ * The buckets are still all-reduced with AVG (the joined ranks contribute
+ * zeros), and each reduced .grad is then multiplied by size / non-joined,
+ * here, once the write-back is done: 1 ulp from torch's sum of
+ * grad / non-joined at most, and exact where both are powers of two.
+ * Gradients that no rank used keep their value.  GIL held. */
+static dptc_status scale_gradients(ReducerObject *r)
+{
+    for (Py_ssize_t i = 0; i < r->nslots; i++) {
+        param_slot *s = &r->slots[i];
+        if (!s->nbytes || !slot_globally_used(r, i))
+            continue;
+        PyObject *grad = PyObject_GetAttrString(s->param, "grad");
+        if (!grad)
+            return DPTC_ERR_PYTHON;
+        dptc_status status = grad == Py_None ? DPTC_OK : tensor_scale(grad, r->scale);
+        Py_DECREF(grad);
+        CHECK(status);
+    }
+    return DPTC_OK;
 }
 
 /* The body of _finalize, inside its range.  GIL held. */
@@ -1532,6 +1574,8 @@ static PyObject *finalize_step(ReducerObject *r)
     if (status != DPTC_OK)
         return step_fail(r, status, &err);
     if (write_back_python(r) != DPTC_OK)
+        return step_fail(r, DPTC_ERR_PYTHON, &err);
+    if (r->scale != 1.0 && scale_gradients(r) != DPTC_OK)
         return step_fail(r, DPTC_ERR_PYTHON, &err);
     if (r->find_unused)
         for (Py_ssize_t i = 0; i < r->nslots; i++)
@@ -1685,7 +1729,7 @@ static PyMethodDef reducer_methods[] = {
     {"register_hooks", reducer_register_hooks, METH_NOARGS, register_hooks_doc},
     {"remove_hooks", reducer_remove_hooks_method, METH_NOARGS,
      "remove_hooks()\n--\n\nUnregisters the hooks (the reducer stops reducing)."},
-    {"prepare_for_backward", reducer_prepare_for_backward, METH_O, prepare_doc},
+    {"prepare_for_backward", reducer_prepare_for_backward, METH_VARARGS, prepare_doc},
     {"_finalize", reducer_finalize, METH_NOARGS, finalize_doc},
     {NULL, NULL, 0, NULL},
 };

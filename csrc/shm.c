@@ -452,7 +452,11 @@ static dptc_status bridge(channel *ch, dptc_bridge_op op, const dptc_coll *c,
  * tensors (noutputs > 0), see their operand as the concatenation of pieces:
  * piece j has output_counts[j] elements at outputs[j], or, for the
  * all-gather, group size blocks of them there.  DDP all-reduces its
- * gradients where autograd left them this way, with no bucket copy.
+ * gradients where autograd left them this way, with no bucket copy.  The
+ * pieces do not choose the algorithm (small or large all-reduce: the size
+ * does), so a rank reducing pieces meets a peer reducing one tensor of the
+ * same count step for step, as a rank that has joined (DDP's join()) does
+ * with zeros.
  *
  * pieces_copy moves elements [at, at + n) of that concatenation, in block
  * `block` of each piece, between buf and the pieces (into_pieces says
@@ -490,20 +494,34 @@ static void place_gathered(const dptc_coll *c, size_t g, size_t at, size_t n,
         pieces_copy(c, g, at, n, (unsigned char *)src, elsize, 1);
 }
 
-/* Small all-reduce on one node: one step; every rank reduces everything. */
+/* Small all-reduce on one node: one step; every rank reduces everything,
+ * into its output or, piece by piece, into its pieces. */
 static dptc_status all_reduce_small(channel *ch, const dptc_coll *c, uint64_t seq,
                                     double deadline, dptc_error *err)
 {
     shm_transport *s = ch->s;
-    size_t bytes = c->count * dptc_dtype_size(c->dtype);
-    copy(slot_buffer(ch, s->local_rank, ch->rounds), c->input, bytes);
+    size_t elsize = dptc_dtype_size(c->dtype);
+    unsigned char *staged = slot_buffer(ch, s->local_rank, ch->rounds);
+    if (c->noutputs > 0)
+        pieces_copy(c, 0, 0, c->count, staged, elsize, 0);
+    else
+        copy(staged, c->input, c->count * elsize);
     CHECK(begin_round(ch, c, seq, deadline, err));
     const void *srcs[DPTC_MAX_LOCAL];
     for (int p = 0; p < s->local_size; p++)
         srcs[p] = slot_buffer(ch, p, ch->rounds);
     ch->rounds++;
     double scale = is_avg(c) ? 1.0 / (s->local_size * s->nnodes) : 1.0;
-    return dptc_reduce(c->output, srcs, s->local_size, c->count, c->dtype, base_redop(c), scale, err);
+    if (c->noutputs == 0)
+        return dptc_reduce(c->output, srcs, s->local_size, c->count, c->dtype, base_redop(c),
+                           scale, err);
+    for (int j = 0; j < c->noutputs; j++) {
+        CHECK(dptc_reduce(c->outputs[j], srcs, s->local_size, c->output_counts[j], c->dtype,
+                          base_redop(c), scale, err));
+        for (int p = 0; p < s->local_size; p++)
+            srcs[p] = (const unsigned char *)srcs[p] + c->output_counts[j] * elsize;
+    }
+    return DPTC_OK;
 }
 
 /* The elements [lo, hi) of count that rank p of n reduces.  Parts are whole
@@ -631,8 +649,9 @@ static dptc_status all_reduce(channel *ch, const dptc_coll *c, uint64_t seq,
     shm_transport *s = ch->s;
     if (ch->in_shared)
         return all_reduce_shared(ch, c, seq, deadline, err);
-    if (c->noutputs > 0)  /* see [Note: several pieces] */
-        return all_reduce_large(ch, c, seq, deadline, err);
+    /* By size alone, pieces or not (see [Note: several pieces]): the ranks
+     * must take the same steps, and the fingerprint does not say how a
+     * rank's operand is laid out. */
     size_t bytes = c->count * dptc_dtype_size(c->dtype);
     if (s->nnodes == 1 && (bytes <= 16384 || (s->local_size == 1 && bytes <= s->slot_bytes)))
         return all_reduce_small(ch, c, seq, deadline, err);

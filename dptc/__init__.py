@@ -29,7 +29,7 @@ __all__ = [
     "reduce_scatter_tensor",
     "all_gather_single", "reduce_scatter_single", "all_gather_into_tensors", "barrier",
     "ProcessGroup", "init_process_group", "destroy_process_group", "is_initialized", "new_group",
-    "get_rank", "get_world_size", "DistributedDataParallel", "DDP",
+    "get_rank", "get_world_size", "DistributedDataParallel", "DDP", "Join",
     "fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method",
     "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy", "fully_shard_by_policy",
     "policy_targets", "transformer_auto_wrap_policy", "size_based_auto_wrap_policy",
@@ -50,6 +50,9 @@ def __getattr__(name):
     if name in ("DistributedDataParallel", "DDP"):
         from .ddp import DistributedDataParallel
         return DistributedDataParallel
+    if name == "Join":
+        from .join import Join
+        return Join
     if name in _FSDP_NAMES:
         from . import fsdp
         return getattr(fsdp, "FullyShardedDataParallel" if name == "FSDP" else name)

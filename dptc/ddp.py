@@ -21,8 +21,9 @@ from . import _C, _cuda
 from .comm_hooks import (COMM_BF16, COMM_FP16, COMM_PLAIN, COMM_PYTHON, GradBucket,
                          LaunchedBucket, builtin_mode, check_hook, hook_name, native_mode)
 from ._dtypes import dtype_code
-from .collectives import broadcast
+from .collectives import ReduceOp, all_reduce, broadcast
 from .group import default_group, get_rank, resolve
+from .join import DDPJoinHook, Join, Joinable, _JoinConfig, notify
 
 __all__ = ["DistributedDataParallel", "DDP"]
 
@@ -141,7 +142,7 @@ def _qualified(prefix, name):
     return f"{prefix}.{name}" if prefix else name
 
 
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(nn.Module, Joinable):
     """Data parallelism over dptc's engine, with torch's DistributedDataParallel interface.
 
     Wrap a model that is replicated on every rank; gradients are averaged over the process
@@ -160,7 +161,8 @@ class DistributedDataParallel(nn.Module):
     (the all-reduce, fp16 and bf16 compression hooks natively, any other hook in Python on a
     CPU module; see dptc.comm_hooks).
     ``process_group`` may be any group dptc accepts (a dptc or torch group, a DeviceMesh
-    dimension), or ``device_mesh`` a one-dimensional mesh.
+    dimension), or ``device_mesh`` a one-dimensional mesh.  ``join()`` (or torch's ``Join``)
+    trains on uneven inputs, as torch's (see dptc/join.py).
     Not supported, with an error saying so:
     ``delay_all_reduce_named_params``/``param_to_hook_all_reduce``, ``mixed_precision`` (use
     torch.autocast), Python comm hooks on a CUDA module.
@@ -175,6 +177,7 @@ class DistributedDataParallel(nn.Module):
                  *, init_sync=True, bucket_cap_mb_list=None, batched_grad_copy=False,
                  forward_sync_buffers=None):
         super().__init__()
+        Joinable.__init__(self)
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
         _check_unsupported(delay_all_reduce_named_params, param_to_hook_all_reduce,
@@ -224,6 +227,10 @@ class DistributedDataParallel(nn.Module):
         self._buckets = None          # [(tensor, members, views)], in launch order
         self._assignment = None
         self._buckets_rebuilt = False
+        # join(): see dptc/join.py.
+        self._divide_by_initial_world_size = True
+        self._join_works = []         # this rank's join all-reduces not yet waited for
+        self._shadowed_sync = False   # a joined rank stood in for a synced backward
         # A CUDA module's buckets live on its device and go through the group's NCCL engine
         # (see [Note: buckets on a device] in csrc/reducer.c).
         engine = self.process_group.device_engine(self.device) if cuda else \
@@ -292,12 +299,12 @@ class DistributedDataParallel(nn.Module):
         return [(name, buffer) for name, buffer in self.module.named_buffers()
                 if name not in self.parameters_to_ignore]
 
-    def _sync_module_states(self, broadcast_buffers):
+    def _sync_module_states(self, broadcast_buffers, src=0):
         states = [(name, p) for name, p in self.module.named_parameters()
                   if name not in self.parameters_to_ignore]
         if broadcast_buffers:
             states += self._named_buffers()
-        _broadcast_coalesced([t for _, t in states], self.process_group,
+        _broadcast_coalesced([t for _, t in states], self.process_group, src=src,
                              names=[f"parameter or buffer {n!r}" for n, _ in states])
 
     def _param_bytes(self):
@@ -359,13 +366,16 @@ class DistributedDataParallel(nn.Module):
                 comm_code = dtype_code(compress)
             entries.append((tensor, dtype_code(tensor.dtype), list(members), list(views),
                             comm, comm_code))
+        self._comm_buffers = [entry[4] for entry in entries]
         launcher = self._launch_hook if self._comm_mode == COMM_PYTHON else None
         self._reducer.set_buckets(entries, self._comm_mode, launcher)
 
-    def _launch_hook(self, k):
+    def _launch_hook(self, k, tensor=None):
         """Runs the Python comm hook on bucket k (called by the reducer when it launches the
-        bucket; see [Note: Python comm hooks] in csrc/reducer.c)."""
-        tensor, members, _ = self._buckets[k]
+        bucket; see [Note: Python comm hooks] in csrc/reducer.c), over `tensor` instead of the
+        bucket's own when given."""
+        own, members, _ = self._buckets[k]
+        tensor = own if tensor is None else tensor
         bucket = GradBucket(k, len(self._buckets), tensor, [self._params[i] for i in members])
         future = self._comm_hook(self._comm_state, bucket)
         if not isinstance(future, torch._C.Future):
@@ -394,8 +404,10 @@ class DistributedDataParallel(nn.Module):
         if self._buckets_rebuilt or (self.find_unused_parameters and not self.static_graph):
             return
         observed = self._reducer.observed_order
-        if observed is None:
+        if observed is None and not self._shadowed_sync:
             return
+        # A rank that joined before its first backward has no order of its own.
+        observed = observed or []
         self._buckets_rebuilt = True
         seen = set(observed)
         order = observed + [i for i in reversed(range(len(self._params))) if i not in seen]
@@ -415,26 +427,160 @@ class DistributedDataParallel(nn.Module):
         return (self.require_forward_param_sync and self.broadcast_buffers
                 and any(True for _ in self._named_buffers()))
 
-    def _sync_buffers(self):
+    def _sync_buffers(self, src=0):
         named = self._named_buffers()
         buffers = [buffer for _, buffer in named]
         preserve = getattr(torch.autograd, "_unsafe_preserve_version_counter", None)
         context = preserve(tuple(buffers)) if preserve else contextlib.nullcontext()
         with context:
-            _broadcast_coalesced(buffers, self.process_group,
+            _broadcast_coalesced(buffers, self.process_group, src=src,
                                  names=[f"buffer {n!r}" for n, _ in named])
 
     def forward(self, *inputs, **kwargs):
+        self._wait_join_works()
         grad_enabled = torch.is_grad_enabled()
-        if grad_enabled:
+        joining = self._join_config.enable
+        # The collectives of a training rank under join(), in the order a joined rank's
+        # _shadow_step issues them (see dptc/join.py).
+        notified = notify(self, self.process_group)
+        if grad_enabled or joining:
             self._rebuild_buckets()
         if self.process_group.size > 1 and self.will_sync_module_buffers():
-            self._sync_buffers()
+            # Under join() rank 0 may have joined: the buffers of the last rank still
+            # training win, as in torch.
+            self._sync_buffers(self._find_common_rank(True) if joining else 0)
         sync = grad_enabled and self.require_backward_grad_sync
-        self._reducer.prepare_for_backward(sync)
+        if joining:
+            # Whether this backward syncs; torch sends require_backward_grad_sync alone,
+            # which makes a joined rank wait for the buckets of a no-grad forward.  Blocking,
+            # as the notification (see dptc/join.py, notify).
+            all_reduce(torch.full((1,), float(sync)), group=self.process_group)
+        scale = 1.0
+        if notified is not None:
+            work, training = notified
+            effective = sync and not self._divide_by_initial_world_size
+            if work is not None and effective:
+                work.wait()
+            elif work is not None:
+                self._join_works.append(work)
+            if effective:
+                scale = self.process_group.size / training.item()  # [Note: a step's scale]
+        self._reducer.prepare_for_backward(sync, scale)
         output = self.module(*inputs, **kwargs)
         self.require_forward_param_sync = sync
         return output
+
+    # -- uneven inputs (see dptc/join.py) --------------------------------------------------
+
+    def join(self, divide_by_initial_world_size=True, enable=True,
+             throw_on_early_termination=False):
+        """A context manager for training on uneven inputs, as torch's DDP.join(): a rank
+        that runs out of inputs stands in for the others' collectives until every rank has
+        run out, then every rank takes the model of the last.  Gradients are divided by the
+        group's size (``divide_by_initial_world_size``) or by the number of ranks still
+        training; ``throw_on_early_termination`` raises RuntimeError on every rank instead, at
+        the first step some rank lacks.  Its counting goes over dptc's engine."""
+        return Join([self], enable, throw_on_early_termination,
+                    divide_by_initial_world_size=divide_by_initial_world_size)
+
+    def join_hook(self, **kwargs):
+        return DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
+
+    @property
+    def join_device(self):
+        return self.device
+
+    @property
+    def join_process_group(self):
+        """The torch group over this DDP's ranks, for torch's Join, when there is one; else
+        the dptc group."""
+        return self.process_group.torch_group or self.process_group
+
+    def _dptc_join_group(self):
+        return self.process_group
+
+    def _wait_join_works(self):
+        works, self._join_works = self._join_works, []
+        for work in works:
+            work.wait()
+
+    def _find_common_rank(self, candidate):
+        """The largest group rank among the ranks where `candidate` holds."""
+        rank = torch.tensor([self.process_group.rank if candidate else -1])
+        all_reduce(rank, op=ReduceOp.MAX, group=self.process_group)
+        if rank.item() < 0:
+            raise RuntimeError("DistributedDataParallel join: no rank qualified as the "
+                               "authoritative copy of the model")
+        return int(rank.item())
+
+    def _shadow_step(self):
+        """One step of a joined rank: the collectives forward and backward issue on the
+        ranks still training (see forward), with zeros for gradients."""
+        self._wait_join_works()
+        self._rebuild_buckets()
+        if self.process_group.size > 1 and self.will_sync_module_buffers():
+            self._sync_buffers(self._find_common_rank(False))
+        flag = torch.zeros(1)
+        all_reduce(flag, group=self.process_group)
+        sync = flag.item() != 0
+        self.require_forward_param_sync = sync
+        if not sync:
+            return
+        self._shadow_buckets()
+        if self.find_unused_parameters:
+            used = torch.zeros(len(self._params), dtype=torch.uint8, device=self.device)
+            all_reduce(used, op=ReduceOp.MAX, group=self.process_group)
+        self._shadowed_sync = True
+
+    def _shadow_buckets(self):
+        """Every bucket's reduction, in launch order, over zeros: what the reducer submits
+        (csrc/reducer.c, bucket_launch), or the Python hook on a bucket of zeros."""
+        for k, (tensor, _, _) in enumerate(self._buckets):
+            if tensor.numel() == 0:
+                continue
+            if self._comm_mode == COMM_PYTHON:
+                self._launch_hook(k, torch.zeros_like(tensor)).finish()
+                continue
+            operand, saved = self._shadow_operand(k)
+            all_reduce(operand, op=ReduceOp.AVG, group=self.process_group)
+            if saved is not None:
+                with torch.no_grad():
+                    operand.copy_(saved)
+
+    def _shadow_operand(self, k):
+        """(zeros to all-reduce for bucket k, what to restore in them afterwards or None).
+
+        A CPU bucket is all-reduced where it lies, in shared memory, unless the training
+        ranks reduce it over their gradients in place (csrc/reducer.c, [Note: gradients in
+        place]: the members whose gradients are contiguous, as a contiguous parameter's
+        are); the shared memory engine's algorithm follows that choice, so the zeros must lie
+        where the training ranks' operand does: in the same shared buffer, or elsewhere.
+        """
+        tensor, members, _ = self._buckets[k]
+        comm = self._comm_buffers[k]
+        if tensor.is_cuda:
+            return torch.zeros_like(comm if comm is not None else tensor), None
+        if comm is not None:
+            return comm.zero_(), None
+        in_place = (self._comm_mode == COMM_PLAIN and not self.find_unused_parameters
+                    and not self.gradient_as_bucket_view)
+        if in_place and any(self._params[i].numel() and self._params[i].is_contiguous()
+                            for i in members):
+            return torch.zeros_like(tensor), None
+        saved = tensor.clone()
+        return tensor.zero_(), saved
+
+    def _sync_final_model(self, is_last_joiner):
+        """After join: every rank takes the parameters (and buffers) of the last rank to
+        join, the largest such rank."""
+        self._wait_join_works()
+        self._authoritative_rank = self._find_common_rank(is_last_joiner)
+        if self.process_group.size > 1:
+            self._sync_module_states(self.broadcast_buffers, src=self._authoritative_rank)
+        # Every rank is here, at the end of the context: forward stops notifying, together.
+        # (torch's DDP goes on notifying after its join context, so a forward that only some
+        # ranks run there waits for the others.)
+        self._join_config = _JoinConfig.construct_disabled_join_config()
 
     @contextlib.contextmanager
     def no_sync(self):
