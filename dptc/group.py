@@ -195,12 +195,40 @@ def _init_torch(timeout, explicit):
             if name not in os.environ:
                 raise ValueError(f"{name} is not set; launch with torchrun, or set RANK, "
                                  f"WORLD_SIZE, MASTER_ADDR and MASTER_PORT")
-        dist.init_process_group("gloo", timeout=delta)
+        dist.init_process_group("gloo", timeout=delta, **_restart_store(delta))
     else:
         # A plain `python script.py`: one rank.
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=delta)
     _owns_torch_group = True
+
+
+def _restart_attempt():
+    """The torchrun restart this process belongs to (TORCHELASTIC_RESTART_COUNT), as a store
+    prefix; "" outside torchrun."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    return f"attempt_{attempt}/" if attempt is not None else ""
+
+
+def _restart_store(delta):
+    """init_process_group's store under torchrun's agent store: keys of this restart only.
+
+    [Note: torchrun restarts]
+    torchrun --max-restarts starts every worker again after a failure, on the same agent
+    TCPStore, whose keys outlive the workers that wrote them.  torch 2.13's env:// rendezvous
+    hands the workers that store as it is, so a worker of the second attempt may read a key
+    of the first: gloo's connectFullMesh then dials a dead peer's address (seen with torch
+    alone, in 5 of 6 restarts here), and dptc's own bootstrap would open a dead peer's
+    shared segment.  dptc's keys carry the attempt (init_process_group), and when dptc
+    initialises torch.distributed itself it hands gloo the store under the attempt's prefix
+    as well.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or not _restart_attempt():
+        return {}
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                           int(os.environ["WORLD_SIZE"]), is_master=False, timeout=delta)
+    return {"store": dist.PrefixStore(f"/dptc/{_restart_attempt()}", client),
+            "rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}
 
 
 def _world_layout(store, rank, size):
@@ -491,7 +519,8 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
     rank, size = dist.get_rank(), dist.get_world_size()
     base_store = dist.distributed_c10d._get_default_store()
     _generation += 1
-    prefix_store = dist.PrefixStore(f"dptc/{_generation}/", base_store)
+    # See [Note: torchrun restarts].
+    prefix_store = dist.PrefixStore(f"dptc/{_restart_attempt()}{_generation}/", base_store)
     _world_nodes = _world_layout(prefix_store, rank, size)
     _default = _make_group(dist.PrefixStore("world/", prefix_store), list(range(size)),
                            seconds, dist.group.WORLD)
