@@ -637,6 +637,11 @@ class DistributedDataParallel(nn.Module, Joinable):
         logger.info("DistributedDataParallel communication hook: %s (%s)", hook_name(hook),
                     "in Python" if mode == COMM_PYTHON else "native")
 
+    # torch's, which marks the names on the module: module._ddp_params_and_buffers_to_ignore,
+    # which __init__ reads.
+    _set_params_and_buffers_to_ignore_for_model = staticmethod(
+        torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model)
+
     def _set_static_graph(self):
         """Older spelling of static_graph=True; accepted (runs like the default path)."""
         self.static_graph = True

@@ -55,6 +55,9 @@ SCENARIOS = {
     "zero": {"join": "torch", "zero": True, "reference": False},
     "late_start": {"batches": (0, 3, 2), "ddp": {"bucket_cap_mb": 0.001}},
     "throw": {"throw": True, "reference": False},
+    # A parameter DDP ignores (torch's _set_params_and_buffers_to_ignore_for_model): its
+    # gradient stays local, and the final sync leaves it alone.
+    "ignored": {"ignore": ["head_a.weight"], "batch_norm": True, "reference": False},
     # A forward without grad at every step (an evaluation): torch's joined ranks then wait
     # for the buckets of a backward that never comes (torch's DDP sends
     # require_backward_grad_sync alone), so this one runs under dptc only.
@@ -65,7 +68,7 @@ SCENARIOS = {
 def _options(name):
     options = {"ddp": {}, "divide": True, "extra_head": False, "micro": 1, "hook": None,
                "batch_norm": False, "reference": True, "join": "ddp", "zero": False,
-               "batches": BATCHES, "throw": False, "eval": False}
+               "batches": BATCHES, "throw": False, "eval": False, "ignore": None}
     options.update(SCENARIOS[name])
     return options
 
@@ -124,6 +127,8 @@ def _run(impl, name, wrapper, rank, world):
     options = _options(name)
     torch.manual_seed(0)
     model = Net(options["batch_norm"], options["extra_head"])
+    if options["ignore"]:
+        wrapper._set_params_and_buffers_to_ignore_for_model(model, options["ignore"])
     ddp = wrapper(model, **options["ddp"])
     if options["hook"]:
         ddp.register_comm_hook(None, _hook(options))
