@@ -58,10 +58,12 @@ def _full(tensor):
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
-def _train(impl, wrapped, ref, rank, world, steps=STEPS, opt=None, generator=None):
+def _train(impl, wrapped, ref, rank, world, steps=STEPS, opt=None, generator=None,
+           ref_opt=None):
     import torch.distributed as dist
     opt = opt or torch.optim.AdamW(wrapped.parameters(), lr=LR)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR) if ref is not None else None
+    if ref is not None and ref_opt is None:
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
     generator = generator or torch.Generator().manual_seed(SEED)
     mine = slice(rank * ROWS, (rank + 1) * ROWS)
     norms = []
@@ -407,3 +409,83 @@ def _log_calls(unit, name, log):
         log.append(f"reduce {name}")
         return reduce(*args, **kwargs)
     unit.unshard, unit.reduce = logged_unshard, logged_reduce
+
+
+def legacy_optim_case(impl):
+    """FSDP1's optimizer state-dict API from before optim_state_dict (deprecated in torch, still
+    there), FULL_SHARD, under torch's FSDP1 or dptc's: full_optim_state_dict (rank0_only and
+    not), rekey_optim_state_dict both ways, get_state_dict_type, and three ways back into a
+    fresh model: shard_full_optim_state_dict, scatter_full_optim_state_dict (the full state on
+    rank 0 only) and sharded_optim_state_dict + flatten_sharded_optim_state_dict, each resuming
+    one step against the uninterrupted run."""
+    import warnings
+    import torch.distributed as dist
+    api, FSDP = _api(impl)
+    from torch.distributed.fsdp import OptimStateKeyType
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    # float32: torch's clip_grad_norm_ refuses float64 gradients (see strategy_cases).
+    wrapped = _wrap(impl, build(n_layer=2).float(), "FULL_SHARD")
+    ref = build(n_layer=2).float()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    opt, _ = _train(impl, wrapped, ref, rank, world,
+                    generator=torch.Generator().manual_seed(SEED), ref_opt=ref_opt)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        full0 = _clone(FSDP.full_optim_state_dict(wrapped, opt))
+        full = _clone(FSDP.full_optim_state_dict(wrapped, opt, rank0_only=False))
+        sharded = _clone(FSDP.sharded_optim_state_dict(wrapped, opt))
+    out["warnings"] = sorted({type(w.message).__name__ for w in caught
+                              if "is being deprecated" in str(w.message)})
+    out["rank0_only_keys"] = sorted(full0.get("state", {}))
+    out["full_state"] = {name: {key: float(value.double().sum()) for key, value in entry.items()}
+                         for name, entry in full["state"].items()}
+    out["full_groups"] = [sorted(group["params"]) for group in full["param_groups"]]
+    # The single-process run's AdamW state, parameter by parameter.
+    out["full_vs_reference"] = max(
+        max_rel([full["state"][name][key]], [ref_opt.state[param][key]])
+        for name, param in ref.named_parameters() for key in ("exp_avg", "exp_avg_sq"))
+    by_id = FSDP.rekey_optim_state_dict(full, OptimStateKeyType.PARAM_ID, wrapped)
+    out["id_keys"] = sorted(by_id["state"])
+    back = FSDP.rekey_optim_state_dict(by_id, OptimStateKeyType.PARAM_NAME, wrapped)
+    out["rekey_round_trip"] = sorted(back["state"]) == sorted(full["state"]) and all(
+        torch.equal(back["state"][n]["exp_avg"], full["state"][n]["exp_avg"])
+        for n in full["state"])
+    with FSDP.state_dict_type(wrapped, api.StateDictType.FULL_STATE_DICT,
+                              api.FullStateDictConfig(offload_to_cpu=True, rank0_only=True)):
+        settings = FSDP.get_state_dict_type(wrapped)
+    out["settings"] = [str(settings.state_dict_type), type(settings.state_dict_config).__name__,
+                       settings.state_dict_config.rank0_only,
+                       settings.state_dict_config.offload_to_cpu,
+                       type(settings.optim_state_dict_config).__name__]
+
+    def resumed(load):
+        generator = torch.Generator().manual_seed(SEED + 100)
+        if load is None:
+            model, model_opt = wrapped, opt
+        else:
+            model = _wrap(impl, build(n_layer=2).float(), "FULL_SHARD")
+            model.load_state_dict(wrapped.state_dict())
+            model_opt = torch.optim.AdamW(model.parameters(), lr=LR)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                model_opt.load_state_dict(load(model, model_opt))
+        _train(impl, model, None, rank, world, steps=1, opt=model_opt, generator=generator)
+        with FSDP.summon_full_params(model, writeback=False):
+            return [p.detach().clone() for p in model.parameters()]
+
+    ways = {
+        "shard_full": lambda model, o: FSDP.shard_full_optim_state_dict(full, model,
+                                                                         optim=o),
+        "scatter_full": lambda model, o: FSDP.scatter_full_optim_state_dict(
+            full0 if rank == 0 else None, model, optim=o),
+        "flatten_sharded": lambda model, o: FSDP.flatten_sharded_optim_state_dict(
+            sharded, model, o),
+    }
+    continued = {name: resumed(load) for name, load in ways.items()}
+    uninterrupted = resumed(None)
+    out["resumed_rel"] = {name: max_rel(params, uninterrupted)
+                          for name, params in continued.items()}
+    out["trained"] = [float(p.double().sum()) for p in uninterrupted]
+    dist.destroy_process_group()
+    return out

@@ -14,14 +14,16 @@ every parameter is a DTensor shard, as under fully_shard.
 """
 
 import contextlib
+import warnings
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import (BackwardPrefetch, CPUOffload, FullStateDictConfig,
-                                    MixedPrecision, ShardedStateDictConfig, ShardingStrategy,
-                                    StateDictType)
+from torch.distributed.fsdp import (BackwardPrefetch, CPUOffload, FullOptimStateDictConfig,
+                                    FullStateDictConfig, MixedPrecision, OptimStateKeyType,
+                                    ShardedOptimStateDictConfig, ShardedStateDictConfig,
+                                    ShardingStrategy, StateDictSettings, StateDictType)
 from torch.distributed.tensor import DTensor
 
 from ..group import default_group
@@ -198,7 +200,8 @@ class FullyShardedDataParallel(nn.Module):
         self.sharding_strategy = strategy
         self.mixed_precision = mixed_precision
         self._is_root_arg = _root
-        self._settings = (StateDictType.FULL_STATE_DICT, FullStateDictConfig())
+        self._settings = (StateDictType.FULL_STATE_DICT, FullStateDictConfig(),
+                          FullOptimStateDictConfig())
         nested = dict(process_group=process_group, sharding_strategy=strategy,
                       cpu_offload=cpu_offload, backward_prefetch=backward_prefetch,
                       mixed_precision=mixed_precision, device_id=device_id,
@@ -371,14 +374,27 @@ class FullyShardedDataParallel(nn.Module):
                                    StateDictType.SHARDED_STATE_DICT):
             raise NotImplementedError(f"{state_dict_type} is not implemented by dptc; use "
                                       f"FULL_STATE_DICT or SHARDED_STATE_DICT")
-        config = state_dict_config or (FullStateDictConfig() if state_dict_type ==
-                                       StateDictType.FULL_STATE_DICT
+        full = state_dict_type == StateDictType.FULL_STATE_DICT
+        config = state_dict_config or (FullStateDictConfig() if full
                                        else ShardedStateDictConfig())
+        optim_config = optim_state_dict_config or (FullOptimStateDictConfig() if full
+                                                   else ShardedOptimStateDictConfig())
         previous = None
         for fsdp in FullyShardedDataParallel.fsdp_modules(module):
             previous = previous or fsdp._settings
-            fsdp._settings = (state_dict_type, config)
+            fsdp._settings = (state_dict_type, config, optim_config)
         return previous
+
+    @staticmethod
+    def get_state_dict_type(module):
+        """The StateDictSettings of module's FullyShardedDataParallel instances (the same for
+        all of them, or AssertionError)."""
+        settings = [fsdp._settings for fsdp in FullyShardedDataParallel.fsdp_modules(module)]
+        for other in settings[1:]:
+            if other != settings[0]:
+                raise AssertionError(f"All FSDP modules must have the same state dict "
+                                     f"settings. Got {other} and {settings[0]}.")
+        return StateDictSettings(*settings[0]) if settings else None
 
     @staticmethod
     @contextlib.contextmanager
@@ -389,7 +405,8 @@ class FullyShardedDataParallel(nn.Module):
         tensors; FullStateDictConfig(offload_to_cpu, rank0_only)) or SHARDED_STATE_DICT (the
         DTensor shards)."""
         previous = FullyShardedDataParallel.set_state_dict_type(module, state_dict_type,
-                                                                state_dict_config)
+                                                                state_dict_config,
+                                                                optim_state_dict_config)
         try:
             yield
         finally:
@@ -397,7 +414,7 @@ class FullyShardedDataParallel(nn.Module):
                 FullyShardedDataParallel.set_state_dict_type(module, *previous)
 
     def _post_state_dict(self, state_dict, prefix, local_metadata):
-        kind, config = self._settings
+        kind, config = self._settings[:2]
         full = kind == StateDictType.FULL_STATE_DICT
         rank0_only = full and getattr(config, "rank0_only", False)
         for key in [k for k in state_dict if k.startswith(prefix)]:
@@ -424,11 +441,84 @@ class FullyShardedDataParallel(nn.Module):
         FULL_STATE_DICT and DTensor shards under SHARDED_STATE_DICT."""
         from torch.distributed.checkpoint.state_dict import (StateDictOptions,
                                                              get_optimizer_state_dict)
-        kind, config = model._settings
+        kind, config = model._settings[:2]
         full = kind == StateDictType.FULL_STATE_DICT
         with _original_names():
             return get_optimizer_state_dict(model, optim, options=StateDictOptions(
                 full_state_dict=full, cpu_offload=full and getattr(config, "rank0_only", False)))
+
+    # -- the optimizer state-dict API before optim_state_dict (torch: deprecated) ---------------
+
+    @staticmethod
+    def full_optim_state_dict(model, optim, optim_input=None, rank0_only=True, group=None):
+        """The full optimizer state keyed by parameter names; with rank0_only, on rank 0 (the
+        other ranks get {})."""
+        _warn_legacy("full_optim_state_dict", "optim_state_dict")
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                             get_optimizer_state_dict)
+        with _original_names():
+            return get_optimizer_state_dict(model, optim, options=StateDictOptions(
+                full_state_dict=True, cpu_offload=rank0_only))
+
+    @staticmethod
+    def sharded_optim_state_dict(model, optim, group=None):
+        """The optimizer state keyed by parameter names, each rank's shards as DTensors (where
+        torch's FSDP1 gives ShardedTensors)."""
+        _warn_legacy("sharded_optim_state_dict", "optim_state_dict")
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                             get_optimizer_state_dict)
+        with _original_names():
+            return get_optimizer_state_dict(model, optim,
+                                            options=StateDictOptions(full_state_dict=False))
+
+    @staticmethod
+    def shard_full_optim_state_dict(full_optim_state_dict, model, optim_input=None,
+                                    optim=None):
+        """full_optim_state_dict (keyed by names, on every rank) as this rank's part, keyed by
+        parameter IDs: what ``optim.load_state_dict`` takes for model's sharded parameters."""
+        _warn_legacy("shard_full_optim_state_dict", "optim_state_dict_to_load")
+        return _loadable(full_optim_state_dict, model, optim)
+
+    @staticmethod
+    def flatten_sharded_optim_state_dict(sharded_optim_state_dict, model, optim):
+        """sharded_optim_state_dict's result as what ``optim.load_state_dict`` takes."""
+        _warn_legacy("flatten_sharded_optim_state_dict", "optim_state_dict_to_load")
+        return _loadable(sharded_optim_state_dict, model, optim)
+
+    @staticmethod
+    def scatter_full_optim_state_dict(full_optim_state_dict, model, optim_input=None,
+                                      optim=None, group=None):
+        """shard_full_optim_state_dict with the full state on rank 0 only (None elsewhere):
+        its tensors are broadcast from rank 0 through dptc's engine."""
+        _warn_legacy("scatter_full_optim_state_dict", "optim_state_dict_to_load")
+        return _loadable(_broadcast_from_rank0(full_optim_state_dict, model), model, optim)
+
+    @staticmethod
+    def rekey_optim_state_dict(optim_state_dict, optim_state_key_type, model, optim_input=None,
+                               optim=None):
+        """optim_state_dict keyed by parameter names (OptimStateKeyType.PARAM_NAME) or by
+        parameter IDs (PARAM_ID: the positions in optim's parameters, else in
+        model.parameters()), its values unchanged."""
+        if not isinstance(optim_state_key_type, OptimStateKeyType):
+            raise TypeError(f"optim_state_key_type must be an OptimStateKeyType, got "
+                            f"{optim_state_key_type!r}")
+        ids, names = _parameter_ids(model, optim)
+        to_id = optim_state_key_type == OptimStateKeyType.PARAM_ID
+        mapping = ({name: ids[param] for param, name in names.items() if param in ids} if to_id
+                   else {ids[param]: name for param, name in names.items() if param in ids})
+        state = optim_state_dict["state"]
+        if all(isinstance(key, int) == to_id for key in state):
+            return optim_state_dict
+        return {"state": {mapping[key]: value for key, value in state.items()},
+                "param_groups": [dict(group, params=sorted(mapping[key]
+                                                           for key in group["params"]))
+                                 for group in optim_state_dict["param_groups"]]}
+
+    def register_comm_hook(self, state, hook):
+        raise NotImplementedError(
+            "FullyShardedDataParallel.register_comm_hook is not implemented by dptc; for "
+            "gradients reduced in float16 or bfloat16 pass "
+            "MixedPrecision(reduce_dtype=torch.float16) (or torch.bfloat16) instead")
 
     @staticmethod
     def optim_state_dict_to_load(model, optim, optim_state_dict, is_named_optimizer=False,
@@ -437,7 +527,7 @@ class FullyShardedDataParallel(nn.Module):
         resulting state dict, ready for ``optim.load_state_dict``."""
         from torch.distributed.checkpoint.state_dict import (StateDictOptions,
                                                              set_optimizer_state_dict)
-        kind, _ = model._settings
+        kind = model._settings[0]
         # Back to the names torch's loader walks the modules by (with the prefixes).
         prefixed = {_clean(name): name for name, _ in model.named_parameters()}
         state = {"state": {prefixed.get(k, k): v
@@ -448,6 +538,91 @@ class FullyShardedDataParallel(nn.Module):
         set_optimizer_state_dict(model, optim, state, options=StateDictOptions(
             full_state_dict=kind == StateDictType.FULL_STATE_DICT))
         return optim.state_dict()
+
+
+def _warn_legacy(current, replacement):
+    warnings.warn(f"``FullyShardedDataParallel.{current}``is being deprecated and is replaced "
+                  f"by ``FullyShardedDataParallel.{replacement}``. "
+                  f"``FullyShardedDataParallel.{current}`` may be removed after PyTorch 2.2.",
+                  FutureWarning, stacklevel=3)
+
+
+def _parameter_ids(model, optim):
+    """({parameter: its ID}, {parameter: its original name}): IDs are the positions in optim's
+    parameter groups, or in model.parameters() without an optimizer."""
+    params = [p for group in optim.param_groups for p in group["params"]] if optim is not None \
+        else list(model.parameters())
+    with _original_names():
+        names = {param: name for name, param in model.named_parameters()}
+    return {param: k for k, param in enumerate(params)}, names
+
+
+def _loadable(optim_state_dict, model, optim):
+    """An optimizer state dict keyed by names (full tensors, or DTensor shards) as
+    ``optim.load_state_dict`` takes it for model's parameters: keyed by parameter IDs, every
+    tensor shaped like its parameter laid out as that parameter (its DTensor shard)."""
+    ids, names = _parameter_ids(model, optim)
+    by_name = {name: param for param, name in names.items() if param in ids}
+    state = {}
+    for name, entries in optim_state_dict["state"].items():
+        param = by_name.get(name)
+        if param is None:
+            raise KeyError(f"optimizer state for {name!r}, which is not a parameter of the "
+                           f"model that optim updates; pass the model the state was saved "
+                           f"from")
+        state[ids[param]] = {key: _laid_out_as(param, value) for key, value in entries.items()}
+    groups = [dict(group, params=sorted(ids[by_name[name]] for name in group["params"]))
+              for group in optim_state_dict["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+def _laid_out_as(param, value):
+    """value in param's layout when it has param's shape (a full tensor, or a DTensor of
+    another layout), else unchanged (a step counter)."""
+    if not isinstance(param, DTensor) or not isinstance(value, torch.Tensor) or \
+            tuple(value.shape) != tuple(param.shape):
+        return value
+    if isinstance(value, DTensor):
+        if value.placements == param.placements and value.device_mesh == param.device_mesh:
+            return value
+        value = value.full_tensor()
+    from torch.distributed.tensor import distribute_tensor
+    return distribute_tensor(value.to(param.dtype), param.device_mesh, param.placements,
+                             src_data_rank=None)
+
+
+class _TensorSlot:
+    """Where a tensor of rank 0's state dict goes, in the structure sent to the others."""
+
+    def __init__(self, shape, dtype):
+        self.shape, self.dtype = shape, dtype
+
+
+def _broadcast_from_rank0(optim_state_dict, model):
+    """Rank 0's optimizer state dict on every rank: its structure through the store, each
+    tensor through dptc's broadcast, in the structure's order."""
+    from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+    from ..collectives import broadcast
+    rank = dist.get_rank()
+    if rank == 0 and optim_state_dict is None:
+        raise ValueError("scatter_full_optim_state_dict: rank 0 must pass the full optimizer "
+                         "state dict (from full_optim_state_dict), got None")
+    box = [tree_map(lambda v: _TensorSlot(tuple(v.shape), v.dtype)
+                    if isinstance(v, torch.Tensor) else v, optim_state_dict)
+           if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    slots, spec = tree_flatten(box[0])
+    values = tree_flatten(optim_state_dict)[0] if rank == 0 else [None] * len(slots)
+    out = []
+    for slot, value in zip(slots, values):
+        if not isinstance(slot, _TensorSlot):
+            out.append(slot)
+            continue
+        tensor = value.detach().cpu().contiguous() if rank == 0 else \
+            torch.empty(slot.shape, dtype=slot.dtype)
+        broadcast(tensor, src=0)
+        out.append(tensor)
+    return tree_unflatten(out, spec)
 
 
 @contextlib.contextmanager
