@@ -12,7 +12,8 @@ Scenarios: a probe hook over torch's allreduce_hook (with several buckets; with
 find_unused_parameters, which keeps the first buckets; with gradient_as_bucket_view and no_sync
 accumulation; under fp16_compress_wrapper), torch's noop_hook (gradients stay local), and
 torch's powerSGD_hook, bare and under fp16_compress_wrapper (one bucket, as PowerSGD needs on
-gloo; torch 2.13's batched_powerSGD_hook fails its own shape check under torch's DDP too).
+gloo; torch 2.13's batched_powerSGD_hook fails its own shape check under torch's DDP too), and
+torch's post_localSGD_hook (global averaging for two steps, then within one-rank subgroups).
 
 Failures, dptc only: a hook that returns no future, or a future whose value is gloo's list, is
 a TypeError naming the remedy on every rank; a hook that raises on one rank makes the other
@@ -25,7 +26,7 @@ import pytest
 from tests._launch import run_ranks
 
 SCENARIOS = ("probe", "probe_unused", "probe_view_no_sync", "probe_fp16_wrapper", "noop",
-             "powersgd", "fp16_powersgd")
+             "powersgd", "fp16_powersgd", "post_local_sgd")
 WORLD = 2
 LAUNCH_TIMEOUT_S = 180
 AGREEMENT = 1e-6
@@ -95,6 +96,9 @@ def test_noop_hook_leaves_gradients_local(runs):
     _, dptc_results = runs
     rank0, rank1 = (dptc_results[r]["noop"]["grads"] for r in range(WORLD))
     assert _rel(rank0, rank1) > 1e-3   # each rank kept its own gradients
+    # post_localSGD_hook: after its two global steps the gradients stay local too.
+    rank0, rank1 = (dptc_results[r]["post_local_sgd"]["grads"] for r in range(WORLD))
+    assert _rel(rank0, rank1) > 1e-3
 
 
 def _failure(case, env=None):

@@ -95,6 +95,15 @@ def _scenario(name, model, trace, step_box):
         if name == "fp16_powersgd":
             hook = default_hooks.fp16_compress_wrapper(hook)
         return {}, state, hook, 1
+    if name == "post_local_sgd":
+        # torch's local SGD: gradients averaged globally for 2 steps, then within each
+        # rank's subgroup (here the rank alone: they stay local).
+        from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook
+        subgroup, _ = dist.new_subgroups(group_size=1)
+        state = post_localSGD_hook.PostLocalSGDState(process_group=None, subgroup=subgroup,
+                                                     start_localSGD_iter=2)
+        return small, state, _probe(names, trace, post_localSGD_hook.post_localSGD_hook,
+                                    step_box), 1
     raise ValueError(f"unknown scenario {name!r}")
 
 
