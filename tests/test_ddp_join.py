@@ -17,7 +17,7 @@ head that some ranks use at some steps; gradient_as_bucket_view with no_sync acc
 fp16_compress_hook; a Python comm hook; batch-norm buffers (broadcast from the last rank still
 training); a parameter ignored by DDP (torch's _set_params_and_buffers_to_ignore_for_model: it
 stays local, also through the final sync); torch's Join class instead of ddp.join(); torch's Join with ZeroRedundancyOptimizer;
-a rank with no batches at all; throw_on_early_termination.  Beyond torch: a forward without
+a rank with no batches at all; static_graph; throw_on_early_termination.  Beyond torch: a forward without
 grad at every step (an evaluation) inside join(), where torch's joined ranks wait for buckets
 that never come (torch fails there; dptc trains as without the evaluation).
 

@@ -54,6 +54,7 @@ SCENARIOS = {
     "torch_join": {"join": "torch", "ddp": {"bucket_cap_mb": 0.001}},
     "zero": {"join": "torch", "zero": True, "reference": False},
     "late_start": {"batches": (0, 3, 2), "ddp": {"bucket_cap_mb": 0.001}},
+    "static_graph": {"ddp": {"static_graph": True, "bucket_cap_mb": 0.001}},
     "throw": {"throw": True, "reference": False},
     # A parameter DDP ignores (torch's _set_params_and_buffers_to_ignore_for_model): its
     # gradient stays local, and the final sync leaves it alone.
