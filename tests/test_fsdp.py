@@ -232,6 +232,31 @@ def test_hsdp_two_torchrun_nodes():
     assert all(rel <= FLOAT64_TOLERANCE for rel in rels), rels
 
 
+def test_unused_branch_with_reduce_scatter_unused_params():
+    """set_reduce_scatter_unused_params(True) on a unit whose layer b the two ranks use at
+    alternate steps and whose layer c neither uses: dptc trains to torch's fully_shard with the
+    same flag (float64, within 1e-12; measured bit-identical), a and b and the head to the
+    single-process reference (1e-10), and c, whose reduced gradient is zeros on every rank, as
+    torch's does it: AdamW's weight decay moves it, where the reference (its .grad None)
+    leaves it.  Without the flag such a unit makes every rank raise CollectiveMismatchError
+    (see [Note: unused parameters in a unit])."""
+    want = run_ranks("tests.workers_fsdp:unused_branch_case", 2, args={"impl": "torch"},
+                     timeout=LAUNCH_TIMEOUT_S, reference=True)
+    got = run_ranks("tests.workers_fsdp:unused_branch_case", 2, args={"impl": "dptc"},
+                    timeout=LAUNCH_TIMEOUT_S)
+    for rank in range(2):
+        params, torch_params = got[rank]["params"], want[rank]["params"]
+        reference = got[rank]["reference"]
+        for name, values in params.items():
+            scale = max(abs(v) for v in torch_params[name])
+            assert max(abs(a - b) for a, b in zip(values, torch_params[name])) <= 1e-12 * scale
+            gap = max(abs(a - b) for a, b in zip(values, reference[name])) / scale
+            if name.startswith("unit.c."):
+                assert gap > 1e-4, (rank, name, gap)   # weight decay on zero gradients
+            else:
+                assert gap <= 1e-10, (rank, name, gap)
+
+
 def test_module_methods():
     """unshard(async_op=True) and its handle, register_fsdp_forward_method,
     set_reshard_after_backward(False) then reshard(), and set_gradient_divide_factor(1.0)

@@ -526,3 +526,66 @@ def ring_case(impl):
                   [p.detach() for p in reference.parameters()])
     _finish(impl)
     return {"nonzero": nonzero, "ref_rel": rel}
+
+
+class _Branchy(nn.Module):
+    """One unit's worth of layers: ``a`` always, ``b`` only where the caller says, ``c``
+    never."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, use_b):
+        hidden = self.a(x)
+        return hidden + self.b(hidden) if use_b else hidden
+
+
+class _BranchyNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.unit, self.head = _Branchy(), nn.Linear(8, 2)
+
+    def forward(self, x, use_b):
+        return self.head(self.unit(x, use_b))
+
+
+def unused_branch_case(impl):
+    """fully_shard with set_reduce_scatter_unused_params(True) on a unit whose layer ``b`` each
+    rank uses at other steps (rank r at the steps where r + step is even) and whose ``c`` no
+    rank uses, float64, AdamW: {name: flat parameter values} after training, and the same
+    for the single-process reference on the whole batch."""
+    from torch.distributed.device_mesh import init_device_mesh
+    api = load_impl(impl)
+    rank, world = api.get_rank(), api.get_world_size()
+    if impl == "dptc":
+        from dptc import fully_shard
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+    def build():
+        torch.manual_seed(0)
+        return _BranchyNet().double()
+
+    model, ref = build(), build()
+    mesh = init_device_mesh("cpu", (world,))
+    fully_shard(model.unit, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.set_reduce_scatter_unused_params(True)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.1)
+
+    for step in range(3):
+        xs = [torch.randn(4, 8, dtype=torch.float64,
+                          generator=torch.Generator().manual_seed(10 * r + step))
+              for r in range(world)]
+        uses = [(r + step) % 2 == 0 for r in range(world)]
+        model(xs[rank], uses[rank]).square().mean().backward()
+        (sum(ref(xs[r], uses[r]).square().mean() for r in range(world)) / world).backward()
+        for optimizer in (opt, ref_opt):
+            optimizer.step()
+            optimizer.zero_grad()
+    out = {"params": {n: _full(p).detach().flatten().tolist() for n, p in model.named_parameters()},
+           "reference": {n: p.detach().flatten().tolist() for n, p in ref.named_parameters()}}
+    _finish(impl)
+    return out

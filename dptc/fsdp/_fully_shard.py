@@ -111,6 +111,19 @@ class FSDPModule:
     def set_reshard_after_backward(self, reshard_after_backward, *, recurse=True):
         self._set_flag("reshard_after_backward", reshard_after_backward, recurse)
 
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params, *, recurse=True):
+        """True: a parameter that got no gradient on this rank contributes zeros to the
+        gradient reduction, and every parameter gets the reduced gradient (zeros where no
+        rank used it), as torch's; needed where ranks take different branches inside a unit.
+        [Note: unused parameters in a unit]
+        A unit otherwise reduces once all its parameters have their gradients (their
+        post-accumulate hooks), so on a rank that leaves one without, it reduces only at the
+        end of backward, out of order with the ranks that reduced it on time (every rank
+        raises CollectiveMismatchError).  With this flag the unit reduces at the end of
+        backward on every rank, in the units' order, whatever its gradients: the same
+        collectives everywhere, at the cost of its reduction no longer overlapping backward."""
+        self._set_flag("reduce_scatter_unused_params", reduce_scatter_unused_params, recurse)
+
     def set_unshard_in_backward(self, unshard_in_backward):
         self._set_flag("unshard_in_backward", unshard_in_backward, False)
 
@@ -152,7 +165,7 @@ def _unsupported(name):
 
 for _name in ("set_custom_all_gather", "set_custom_reduce_scatter", "set_all_reduce_hook",
               "set_post_optim_event", "set_force_sum_reduction_for_comms",
-              "set_reduce_scatter_unused_params", "set_reduce_scatter_max_input_buffers",
+              "set_reduce_scatter_max_input_buffers",
               "set_separate_reduce_scatter_group",
               "set_allocate_memory_from_process_group_for_comm", "set_symm_mem_for_comm"):
     setattr(FSDPModule, _name, _unsupported(_name))

@@ -53,6 +53,8 @@ class State:
         self.reshard_after_forward = reshard_after_forward   # None: decided at lazy init
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
+        # set_reduce_scatter_unused_params: see [Note: unused parameters in a unit].
+        self.reduce_scatter_unused_params = False
         self.requires_all_reduce = True
         self.unshard_in_backward = True
         self.forward_prefetch = None           # explicit lists of States, or None
@@ -213,6 +215,8 @@ class State:
     def _post_backward(self, unit):
         if self.prefetch_after_backward:
             self._prefetch_backward()
+        if self.reduce_scatter_unused_params:
+            return   # reduced at the end of backward, with the others' order
         if self.requires_gradient_sync:
             # One reduction in flight besides this one: the older one's input (a unit's
             # gradients) is released now, not at the end of backward.
@@ -238,8 +242,9 @@ class State:
                 unit = state.unit
                 if unit is None:
                     continue
-                if state.requires_gradient_sync and unit.has_unsharded_grads():
-                    unit.reduce(state.requires_all_reduce)
+                unused = state.reduce_scatter_unused_params
+                if state.requires_gradient_sync and (unused or unit.has_unsharded_grads()):
+                    unit.reduce(state.requires_all_reduce, unused=unused)
                 unit.finish_reduce(state.requires_all_reduce)
                 if state.reshard_after_backward:
                     unit.reshard()

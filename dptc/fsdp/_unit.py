@@ -479,10 +479,13 @@ class Unit:
             sizes[bucket.reduce_dtype] = sizes.get(bucket.reduce_dtype, 0) + nbytes
         return sizes
 
-    def reduce(self, all_reduce=True, shared_input=None):
+    def reduce(self, all_reduce=True, shared_input=None, unused=False):
         """Starts reducing the unsharded gradients into this rank's pieces, and frees them.
         HSDP: the pieces are then all-reduced across replicas, unless all_reduce is False
         (set_requires_all_reduce), which keeps them as a partial sum for a later backward.
+        unused (set_reduce_scatter_unused_params): every bucket is reduced, with zeros for
+        the gradients this rank lacks, and every parameter gets the result (see [Note:
+        unused parameters in a unit]).
 
         shared_input(dtype), when given, returns a SharedBuffer (or None) to lay this unit's
         reduce inputs of that dtype out in: the transport then reads them straight from every
@@ -496,7 +499,7 @@ class Unit:
             had = []
             for p in bucket.params:
                 grad = p.unsharded.grad
-                had.append(grad is not None)
+                had.append(grad is not None or unused)
                 if grad is None:
                     grad = torch.zeros(p.shape, dtype=bucket.reduce_dtype, device=self.device)
                 if p.piece > 0:
