@@ -1734,6 +1734,11 @@ static PyMethodDef reducer_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+static PyObject *reducer_get_in_place(PyObject *op, void *Py_UNUSED(closure))
+{
+    return PyBool_FromLong(reduces_in_place((ReducerObject *)op));
+}
+
 static PyObject *reducer_get_overlap(PyObject *op, void *Py_UNUSED(closure))
 {
     return PyBool_FromLong(((ReducerObject *)op)->overlap);
@@ -1757,6 +1762,9 @@ static int reducer_set_overlap(PyObject *op, PyObject *value, void *Py_UNUSED(cl
 }
 
 static PyGetSetDef reducer_getset[] = {
+    {"in_place", reducer_get_in_place, NULL,
+     "Whether contiguous gradients are reduced where they are: [Note: gradients in place].",
+     NULL},
     {"overlap", reducer_get_overlap, reducer_set_overlap,
      "Launch full buckets during backward (True, the default) or all at its end; see "
      "[Note: overlap] in csrc/reducer.c.", NULL},

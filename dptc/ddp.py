@@ -459,10 +459,11 @@ class DistributedDataParallel(nn.Module, Joinable):
         if notified is not None:
             work, training = notified
             effective = sync and not self._divide_by_initial_world_size
-            if work is not None and effective:
-                work.wait()
-            elif work is not None:
-                self._join_works.append(work)
+            if work is not None:
+                if effective:
+                    work.wait()
+                else:
+                    self._join_works.append(work)
             if effective:
                 scale = self.process_group.size / training.item()  # [Note: a step's scale]
         self._reducer.prepare_for_backward(sync, scale)
@@ -562,10 +563,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             return torch.zeros_like(comm if comm is not None else tensor), None
         if comm is not None:
             return comm.zero_(), None
-        in_place = (self._comm_mode == COMM_PLAIN and not self.find_unused_parameters
-                    and not self.gradient_as_bucket_view)
-        if in_place and any(self._params[i].numel() and self._params[i].is_contiguous()
-                            for i in members):
+        if self._reducer.in_place and any(self._params[i].numel() and
+                                          self._params[i].is_contiguous() for i in members):
             return torch.zeros_like(tensor), None
         saved = tensor.clone()
         return tensor.zero_(), saved

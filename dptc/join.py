@@ -102,7 +102,8 @@ def notify(joinable, group):
     config = joinable._join_config
     if not config.is_first_joinable or not config.enable:
         return None
-    if isinstance(config, _DptcJoinConfig):
+    dptc = isinstance(config, _DptcJoinConfig)
+    if dptc:
         # Blocking: the calling thread runs it at once.  Left to the progress thread (async,
         # as torch's), it took cores from forward: dptc's DDP step under join() measured 2 to
         # 3 ms slower on 2 ranks (benchmarks/ddp_step.py --join, alternating runs).
@@ -115,7 +116,7 @@ def notify(joinable, group):
             tensor, group=joinable.join_process_group, async_op=async_op)
         device = joinable.join_device
     count = torch.ones(1, device=device)
-    work = issue(count, not isinstance(config, _DptcJoinConfig))
+    work = issue(count, not dptc)
     if config.throw_on_early_termination:
         joined = torch.zeros(1, device=device)
         issue(joined, False)

@@ -11,6 +11,8 @@ gloo) or dptc's.  A scenario's result, per rank (JSON):
     steps      the steps this rank completed
 """
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -152,7 +154,7 @@ def _run(impl, name, wrapper, rank, world):
             for step in range(options["batches"][rank]):
                 for micro in range(options["micro"]):
                     sync = micro == options["micro"] - 1
-                    with (ddp.no_sync() if not sync else _nothing()):
+                    with (ddp.no_sync() if not sync else contextlib.nullcontext()):
                         _loss(ddp, options, rank, step, micro).backward()
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -173,14 +175,6 @@ def _run(impl, name, wrapper, rank, world):
         dist.barrier() if impl == "torch" else __import__("dptc").barrier()
     return {"params": _state(model), "error": error, "steps": steps,
             "reference": _reference(options, world) if options["reference"] else None}
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def train(impl, scenarios):

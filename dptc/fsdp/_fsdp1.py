@@ -491,7 +491,7 @@ class FullyShardedDataParallel(nn.Module):
         """shard_full_optim_state_dict with the full state on rank 0 only (None elsewhere):
         its tensors are broadcast from rank 0 through dptc's engine."""
         _warn_legacy("scatter_full_optim_state_dict", "optim_state_dict_to_load")
-        return _loadable(_broadcast_from_rank0(full_optim_state_dict, model), model, optim)
+        return _loadable(_broadcast_from_rank0(full_optim_state_dict), model, optim)
 
     @staticmethod
     def rekey_optim_state_dict(optim_state_dict, optim_state_key_type, model, optim_input=None,
@@ -598,7 +598,7 @@ class _TensorSlot:
         self.shape, self.dtype = shape, dtype
 
 
-def _broadcast_from_rank0(optim_state_dict, model):
+def _broadcast_from_rank0(optim_state_dict):
     """Rank 0's optimizer state dict on every rank: its structure through the store, each
     tensor through dptc's broadcast, in the structure's order."""
     from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
@@ -645,9 +645,4 @@ def _as_shard(module, path, value):
         if target is None:
             return value
     param = target._parameters.get(name) if isinstance(target, nn.Module) else None
-    if not isinstance(param, DTensor) or isinstance(value, DTensor) or \
-            tuple(value.shape) != tuple(param.shape):
-        return value
-    from torch.distributed.tensor import distribute_tensor
-    return distribute_tensor(value.to(param.dtype), param.device_mesh, param.placements,
-                             src_data_rank=None)
+    return value if isinstance(value, DTensor) else _laid_out_as(param, value)
