@@ -98,6 +98,11 @@ def parse_args(argv):
     parser.add_argument("--join", action="store_true",
                         help="every wrapped step runs inside its wrapper's join() (even "
                              "inputs: what join()'s own collectives cost per step)")
+    parser.add_argument("--compile", choices=("none", "inner", "outer"), default="none",
+                        help="torch.compile every model: inner compiles the module each "
+                             "wrapper wraps (DDP(torch.compile(m)), as nanoGPT's train.py), "
+                             "outer the wrapper (torch.compile(DDP(m))); the unwrapped model "
+                             "is compiled either way")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     parser.add_argument("--timeout", type=float, default=600,
@@ -249,13 +254,20 @@ def main(argv=None):
     base = build_gpt(vocab=args.vocab, d_model=args.d_model, n_layer=args.n_layer,
                      n_head=args.n_head, ctx=args.ctx)
     models = {name: copy.deepcopy(base) for name in ("compute", "torch", "test")}
-    torch_ddp = TorchDDP(models["torch"], bucket_cap_mb=args.bucket_cap_mb,
+    inner = torch.compile if args.compile == "inner" else (lambda model: model)
+    outer = torch.compile if args.compile == "outer" else (lambda model: model)
+    torch_ddp = TorchDDP(inner(models["torch"]), bucket_cap_mb=args.bucket_cap_mb,
                          gradient_as_bucket_view=args.bucket_view)
-    label, test_ddp, test_all_reduce = wrap_test_side(args.impl, models["test"],
+    label, test_ddp, test_all_reduce = wrap_test_side(args.impl, inner(models["test"]),
                                                       args.bucket_cap_mb, args.bucket_view)
     if args.hook == "python":
         for wrapped in (torch_ddp, test_ddp):
             wrapped.register_comm_hook(None, python_allreduce_hook)
+    compute_model = models["compute"]
+    torch_model, test_model = torch_ddp, test_ddp     # what each phase steps
+    if args.compile != "none":
+        compute_model = torch.compile(compute_model)
+        torch_model, test_model = outer(torch_ddp), outer(test_ddp)
     optimizers = {name: torch.optim.AdamW(model.parameters(), lr=1e-4)
                   for name, model in models.items()}
 
@@ -273,9 +285,9 @@ def main(argv=None):
     copy_target = torch.empty_like(buffer)
 
     phases = {
-        "compute": lambda: train_step(models["compute"], optimizers["compute"], inputs, targets),
-        "torch DDP": lambda: train_step(torch_ddp, optimizers["torch"], inputs, targets),
-        f"{label} DDP": lambda: train_step(test_ddp, optimizers["test"], inputs, targets),
+        "compute": lambda: train_step(compute_model, optimizers["compute"], inputs, targets),
+        "torch DDP": lambda: train_step(torch_model, optimizers["torch"], inputs, targets),
+        f"{label} DDP": lambda: train_step(test_model, optimizers["test"], inputs, targets),
         "torch comm": lambda: comm_step(dist.all_reduce, pieces),
         f"{label} comm": lambda: comm_step(test_all_reduce, test_pieces),
         "copy": lambda: copy_target.copy_(source),
@@ -316,7 +328,8 @@ def main(argv=None):
               f"in {len(pieces)} piece(s) of <= {args.bucket_cap_mb:g} MiB"
               f"{', gradient_as_bucket_view=True' if args.bucket_view else ''}"
               f"{', a Python comm hook (gloo) on both wrappers' if args.hook == 'python' else ''}"
-              f"{', every step inside join()' if args.join else ''}")
+              f"{', every step inside join()' if args.join else ''}"
+              f"{f', torch.compile ({args.compile})' if args.compile != 'none' else ''}")
         print(f"# step: batch {args.batch}x{args.ctx} per rank, forward + cross-entropy + "
               f"backward + AdamW; {args.warmup} warm-up and {args.steps} timed steps per phase "
               f"in blocks of {args.block}; time = median over steps of the slowest rank")

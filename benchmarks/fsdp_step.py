@@ -109,6 +109,9 @@ def parse_args(argv):
     parser.add_argument("--deadline", type=float, default=170.0,
                         help="seconds for all launches together; a launch past its share is "
                              "killed (default 170)")
+    parser.add_argument("--compile", action="store_true",
+                        help="compile every block (block.compile()) before wrapping, in every "
+                             "phase")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     parser.add_argument("--keep-logs", action="store_true",
@@ -145,7 +148,11 @@ def mp_policies(args):
 
 
 def wrap(impl, model, args):
-    """The model wrapped by impl ('compute': unwrapped)."""
+    """The model wrapped by impl ('compute': unwrapped); with --compile each block is compiled
+    first (``block.compile()``), whatever the wrapper."""
+    if args.compile:
+        for block in model.blocks:
+            block.compile()
     if impl == "compute":
         return model
     if impl == "dptc-ddp":
@@ -590,7 +597,8 @@ def mib(n):
 
 def header(args, th, nranks, torch_version, omp):
     print(f"# fsdp_step: {nranks} ranks, torch {torch_version}, OMP_NUM_THREADS={omp}, "
-          f"mp {args.mp}{', matrices on Shard(-1)' if args.shard_last else ''}")
+          f"mp {args.mp}{', matrices on Shard(-1)' if args.shard_last else ''}"
+          f"{', every block compiled' if args.compile else ''}")
     print(f"# model: examples/gpt.py build_gpt(vocab={args.vocab}, d_model={args.d_model}, "
           f"n_layer={args.layers}, n_head={args.n_head}, ctx={args.ctx}), "
           f"{th['params'] / 1e6:.2f} M parameters ({mib(th['full_bytes'])} MiB fp32); "

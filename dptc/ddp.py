@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 
 from . import _C, _cuda
+from ._compile import active_ddp_module, eager
 from .comm_hooks import (COMM_BF16, COMM_FP16, COMM_PLAIN, COMM_PYTHON, GradBucket,
                          LaunchedBucket, builtin_mode, check_hook, hook_name, native_mode)
 from ._dtypes import dtype_code
@@ -437,6 +438,16 @@ class DistributedDataParallel(nn.Module, Joinable):
                                  names=[f"buffer {n!r}" for n, _ in named])
 
     def forward(self, *inputs, **kwargs):
+        sync = self._pre_forward()
+        with active_ddp_module(self):  # see [Note: torch.compile] in dptc/_compile.py
+            output = self.module(*inputs, **kwargs)
+        self.require_forward_param_sync = sync
+        return output
+
+    @eager
+    def _pre_forward(self):
+        """Everything forward does before the module runs; returns whether its backward
+        syncs."""
         self._wait_join_works()
         grad_enabled = torch.is_grad_enabled()
         joining = self._join_config.enable
@@ -467,9 +478,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             if effective:
                 scale = self.process_group.size / training.item()  # [Note: a step's scale]
         self._reducer.prepare_for_backward(sync, scale)
-        output = self.module(*inputs, **kwargs)
-        self.require_forward_param_sync = sync
-        return output
+        return sync
 
     # -- uneven inputs (see dptc/join.py) --------------------------------------------------
 

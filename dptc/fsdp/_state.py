@@ -31,6 +31,7 @@ import torch
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten, tree_map
 
+from .._compile import eager
 from .._ranges import Range
 from ._unit import ReduceRing
 
@@ -105,6 +106,7 @@ class State:
 
     # -- forward ------------------------------------------------------------------------------
 
+    @eager  # see [Note: torch.compile] in dptc/_compile.py
     def _pre_forward(self, module, args, kwargs):
         self.lazy_init()
         root = self.root
@@ -132,6 +134,7 @@ class State:
         index = order.index(self)
         return order[index + 1:index + 2] if index + 1 < len(order) else []
 
+    @eager
     def _post_forward(self, module, args, output):
         root = self.root
         self.forwarded += 1

@@ -1,0 +1,53 @@
+"""dptc's wrappers under torch.compile.
+
+[Note: torch.compile]
+Dynamo traces what a compiled module runs: the forward hooks fully_shard registers, and, when
+the wrapper itself is compiled (``torch.compile(DDP(model))``), the wrapper's forward.  dptc's
+bookkeeping there is no tensor compute: it calls the C engine (each call a graph break), runs
+collectives, and reads Python state that changes from step to step (each change a failed guard
+and a recompilation).  So that code runs outside dynamo (``eager``): the graph breaks once where
+it is called, and dynamo traces only the user's module, as torch's fully_shard does with its
+hooks.  Outside a compilation the function is called directly: no import of torch._dynamo (1.5
+s) in a process that never compiles, no cost per call.
+
+DDP's forward also names itself torch's active DDP module while the wrapped module runs
+(``active_ddp_module``), so that dynamo's DDPOptimizer splits a compiled forward at DDP's bucket
+boundaries as it does for torch's DDP: each piece's backward then leaves its gradients before
+the earlier pieces' backward runs, so buckets become ready during backward instead of all at
+its end, and the compiled graphs, hence the numbers, are torch DDP's.
+"""
+
+import contextlib
+import functools
+
+import torch
+
+__all__ = ["eager", "active_ddp_module"]
+
+
+def eager(function):
+    """``function`` run outside dynamo's tracing (see [Note: torch.compile])."""
+    # torch's own lazy disable: dynamo skips its file, so tracing breaks the graph once at
+    # this call, and it imports torch._dynamo only when first called.
+    disabled = torch._disable_dynamo(function, recursive=True)
+
+    @functools.wraps(function)
+    def call(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            return disabled(*args, **kwargs)
+        return function(*args, **kwargs)
+    return call
+
+
+@contextlib.contextmanager
+def active_ddp_module(ddp):
+    """Marks ``ddp`` as torch's active DDP module while its module runs (see [Note:
+    torch.compile]); dynamo reads it through ``DistributedDataParallel._get_active_ddp_module``
+    (only ``bucket_bytes_cap`` of it), as torch's own composable ``replicate`` sets it."""
+    from torch.nn.parallel import DistributedDataParallel
+    previous = DistributedDataParallel._active_ddp_module
+    DistributedDataParallel._active_ddp_module = ddp
+    try:
+        yield
+    finally:
+        DistributedDataParallel._active_ddp_module = previous

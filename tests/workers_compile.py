@@ -1,0 +1,154 @@
+"""Rank-side bodies of tests/test_compile.py: dptc's wrappers under torch.compile.
+
+Every rank builds the same GPT (examples/gpt.py, seed 0, float64 so that the comparisons
+below see wrong numbers, not rounding), wraps and compiles it the way a scenario says, trains
+STEPS steps of AdamW on its rows of a seeded global batch, and beside it trains a plain eager
+copy in-process on the whole global batch (the reference).  A scenario's result, per rank:
+    params      {name: flat list}, the trained full parameters
+    ref_rel     max over parameters of max|p - p_ref| / max|p_ref|
+    breaks      {reason: count} of dynamo's graph breaks
+    frames      frames dynamo compiled (counters["stats"]["unique_graphs"])
+    graphs      graphs AOTAutograd compiled (DDP's compiled forward: one per bucket)
+"""
+
+import contextlib
+import functools
+import gc
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+from examples.gpt import Block, PermutationWalk, build_gpt
+from tests._rank import load_impl
+
+__all__ = ["train_cases", "SCENARIOS"]
+
+SEED = 0
+STEPS = 3
+ROWS_PER_RANK = 2
+GPT = dict(vocab=64, d_model=128, n_layer=2, n_head=2, ctx=16)
+
+BUCKET_CAP_MB = 1    # DDP buckets of 1 MiB: the float64 GPT's 3.3 MB in 4 buckets
+
+# name: (wrapper, how it is compiled)
+SCENARIOS = {
+    "ddp_outer": ("ddp", "outer"),          # torch.compile(DDP(model))
+    "ddp_inner": ("ddp", "inner"),          # DDP(torch.compile(model)), as nanoGPT's train.py
+    "fsdp_blocks": ("fsdp", "blocks"),      # block.compile() then fully_shard(block)
+    "fsdp_outer": ("fsdp", "outer"),        # torch.compile of the fully sharded model
+    "fsdp1_outer": ("fsdp1", "outer"),      # torch.compile(FullyShardedDataParallel(model))
+}
+
+
+def _wrap(impl, model, wrapper, how):
+    """(the wrapped and compiled model, a context manager under which ``model``'s parameters
+    are full)."""
+    if impl == "dptc":
+        import dptc
+        DDP, fully_shard = dptc.DistributedDataParallel, dptc.fully_shard
+        FSDP = dptc.FullyShardedDataParallel
+    else:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp import fully_shard
+        from torch.nn.parallel import DistributedDataParallel as DDP
+    if wrapper == "fsdp1":
+        policy = ModuleWrapPolicy({Block})
+        root = FSDP(model, auto_wrap_policy=policy, use_orig_params=True,
+                    device_id=torch.device("cpu"))
+        return torch.compile(root), functools.partial(FSDP.summon_full_params, root)
+    if wrapper == "ddp":
+        if how == "inner":
+            return DDP(torch.compile(model), bucket_cap_mb=BUCKET_CAP_MB), contextlib.nullcontext
+        return torch.compile(DDP(model, bucket_cap_mb=BUCKET_CAP_MB)), contextlib.nullcontext
+    for block in model.blocks:
+        if how == "blocks":
+            block.compile()
+        fully_shard(block)
+    fully_shard(model)
+    return (torch.compile(model) if how == "outer" else model), contextlib.nullcontext
+
+
+def _full(tensor):
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def _loss(model, x, y):
+    logits = model(x)
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def _breaks(counters):
+    """Dynamo's graph breaks: {first line of the reason and the line naming the function,
+    count}."""
+    breaks = {}
+    for reason, count in counters["graph_break"].items():
+        lines = [line.strip() for line in reason.splitlines() if line.strip()]
+        key = " | ".join(lines[:1] + [line for line in lines if "context" in line][:1])
+        breaks[key[:300]] = breaks.get(key[:300], 0) + count
+    return breaks
+
+
+def _run(impl, name):
+    from torch._dynamo.utils import counters
+    api = load_impl(impl)
+    rank, world = api.get_rank(), api.get_world_size()
+    wrapper, how = SCENARIOS[name]
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(SEED)
+    model = build_gpt(**GPT).double()
+    ref = build_gpt(**GPT).double()
+    ref.load_state_dict(model.state_dict())
+    names = [n for n, _ in model.named_parameters()]
+    wrapped, full_params = _wrap(impl, model, wrapper, how)
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    walk = PermutationWalk(GPT["vocab"], GPT["ctx"], seed=SEED + 1)
+    losses = []
+    for step in range(STEPS):
+        x, y = walk.batch(step, ROWS_PER_RANK * world)
+        mine = slice(rank * ROWS_PER_RANK, (rank + 1) * ROWS_PER_RANK)
+        loss = _loss(wrapped, x[mine], y[mine])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        _loss(ref, x, y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    with full_params():
+        params = [_full(p).detach().clone() for p in model.parameters()]
+    worst = 0.0
+    for p, r in zip(params, ref.parameters()):
+        scale = r.detach().abs().max().item() or 1e-30
+        worst = max(worst, (p - r.detach()).abs().max().item() / scale)
+    return {
+        "ok": True, "losses": losses, "ref_rel": worst,
+        "params": {n: p.flatten().tolist() for n, p in zip(names, params)},
+        "breaks": _breaks(counters),
+        "frames": counters["stats"].get("unique_graphs", 0),
+        "graphs": counters["aot_autograd"].get("total", 0),
+    }
+
+
+def train_cases(impl, scenarios):
+    """Runs each named scenario; returns {name: result}.  One failing scenario does not stop
+    the others (its result says why)."""
+    results = {}
+    for name in scenarios:
+        try:
+            results[name] = _run(impl, name)
+        except Exception:  # noqa: BLE001 - reported to the test
+            results[name] = {"ok": False, "error": traceback.format_exc()}
+        gc.collect()
+    if impl == "dptc":
+        import dptc
+        dptc.destroy_process_group()
+    else:
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return results
