@@ -16,6 +16,9 @@ block compiled (``block.compile()``) then fully_shard; the fully sharded model c
   into them and broke at every engine call.
 """
 
+import os
+import shutil
+
 import pytest
 
 from tests._launch import run_ranks
@@ -26,6 +29,12 @@ LAUNCH_TIMEOUT_S = 300
 REFERENCE = 1e-9
 # The functions dptc runs outside dynamo (dptc/_compile.py, eager): where its graph breaks go.
 EAGER = ("DistributedDataParallel._pre_forward", "State._pre_forward", "State._post_forward")
+
+
+# Inductor compiles its CPU kernels with a C++ compiler ($CXX, else g++).
+pytestmark = pytest.mark.skipif(
+    shutil.which(os.environ.get("CXX", "g++")) is None,
+    reason="torch.compile's CPU backend needs a C++ compiler ($CXX or g++), and none is here")
 
 
 @pytest.fixture(scope="module")
