@@ -306,3 +306,39 @@ def test_shared_inputs_skip_the_staging_slots():
         assert mine["touched"] == [0, 0], mine
         assert min(control["gather_touched"]) > 10_000, control
         assert min(control["touched"]) > 10_000, control
+
+
+HOOK_TOLERANCE = 1e-5   # float32: the ranks sum in another order than the reference
+
+
+def test_all_reduce_hook_and_force_sum():
+    """``set_all_reduce_hook`` and ``set_force_sum_reduction_for_comms`` on every unit, against
+    torch's fully_shard (gloo) with the same calls and the single-process reference (float32
+    GPT, 4 ranks on a flat mesh and on a 2 x 2 HSDP mesh, one backward per mode;
+    tests/workers_fsdp.py all_reduce_hook_case):
+    - the hook runs once per unit, on what torch's runs on and in the same order: the records
+      of sum|reduce_output| are torch's within 1e-5 (before the end of backward finished the
+      reductions in flight in their start order, the root's came before the first block's);
+    - with force-sum the hook sees sums: each record is the data-parallel size (4, under HSDP
+      2 x 2, where it runs after the replicas' all-reduce) times the averaged one;
+    - the gradients are the reference's, also with force-sum, and twice the reference's when
+      the hook doubles its tensor in place."""
+    world = 4
+    runs = {impl: run_ranks("tests.workers_fsdp:all_reduce_hook_case", world,
+                            args={"impl": impl}, timeout=LAUNCH_TIMEOUT_S,
+                            reference=impl == "torch")
+            for impl in ("torch", "dptc")}
+    for mine_meshes, their_meshes in zip(runs["dptc"], runs["torch"]):
+        for mesh in ("flat", "hsdp"):
+            mine, theirs = mine_meshes[mesh], their_meshes[mesh]
+            for mode in ("record", "force_sum", "double"):
+                got, want = mine[mode]["records"], theirs[mode]["records"]
+                assert len(got) == len(want) == 3, (mesh, mode, got, want)  # 2 blocks, root
+                assert max(abs(a - b) / b for a, b in zip(got, want)) <= HOOK_TOLERANCE, \
+                    (mesh, mode, got, want)
+                assert mine[mode]["grad_rel"] <= HOOK_TOLERANCE, (mesh, mode, mine[mode])
+                assert theirs[mode]["grad_rel"] <= HOOK_TOLERANCE, (mesh, mode, theirs[mode])
+            ratios = [f / r for f, r in zip(mine["force_sum"]["records"],
+                                            mine["record"]["records"])]
+            assert max(abs(q - world) for q in ratios) <= world * HOOK_TOLERANCE, \
+                (mesh, ratios)

@@ -27,7 +27,8 @@ import torch.nn as nn
 from examples.gpt import build_gpt
 from tests._rank import load_impl
 
-__all__ = ["train_cases", "memory_case", "methods_case", "staging_case", "ring_case", "max_rel"]
+__all__ = ["train_cases", "memory_case", "methods_case", "staging_case", "ring_case",
+           "all_reduce_hook_case", "max_rel"]
 
 SEED = 4321
 LR = 1e-3
@@ -587,5 +588,60 @@ def unused_branch_case(impl):
             optimizer.zero_grad()
     out = {"params": {n: _full(p).detach().flatten().tolist() for n, p in model.named_parameters()},
            "reference": {n: p.detach().flatten().tolist() for n, p in ref.named_parameters()}}
+    _finish(impl)
+    return out
+
+
+HOOK_MODES = ("record", "force_sum", "double")
+
+
+def all_reduce_hook_case(impl):
+    """``set_all_reduce_hook`` and ``set_force_sum_reduction_for_comms`` on every unit of the
+    float32 GPT (blocks and root), one backward per mode and mesh, against the single-process
+    reference on the whole batch.  Modes:
+        record     the hook records sum|reduce_output| of each call
+        force_sum  the same with force-sum reduction: the hook sees sums, not means
+        double     the hook doubles the reduced gradients in place
+    Meshes: "flat", every rank on one shard dim; "hsdp", (replicate 2, shard world/2), where
+    the hook runs after the replicas' all-reduce.  Returns {mesh: {mode: the records, and the
+    largest relative difference of the full gradients from the reference's (times 2 for
+    double)}}."""
+    api = load_impl(impl)
+    rank, world = api.get_rank(), api.get_world_size()
+    if impl == "dptc":
+        import dptc as fsdp
+    else:
+        import torch.distributed.fsdp as fsdp
+    from torch.distributed.device_mesh import init_device_mesh
+    mine = slice(rank * ROWS_PER_RANK, (rank + 1) * ROWS_PER_RANK)
+    meshes = {"flat": init_device_mesh("cpu", (world,)),
+              "hsdp": init_device_mesh("cpu", (2, world // 2),
+                                       mesh_dim_names=("replicate", "shard"))}
+    out = {}
+    for mesh_name, mesh in meshes.items():
+        out[mesh_name] = {}
+        for mode in HOOK_MODES:
+            model, ref = _build("gpt"), _build("gpt")
+            records = []
+
+            def hook(output, records=records, mode=mode):
+                records.append(output.double().abs().sum().item())
+                if mode == "double":
+                    output.mul_(2)
+            for module in _units(model):
+                fsdp.fully_shard(module, mesh=mesh)
+                module.set_all_reduce_hook(hook)
+                if mode == "force_sum":
+                    module.set_force_sum_reduction_for_comms(True)
+            generator = torch.Generator().manual_seed(SEED + 11)
+            x, y = _batch("gpt", 0, 0, world, generator)
+            _loss(model, "gpt", x[mine], y[mine]).backward()
+            _loss(ref, "gpt", x, y).backward()
+            scale = 2.0 if mode == "double" else 1.0
+            out[mesh_name][mode] = {
+                "records": records,
+                "grad_rel": max_rel([_full(p.grad) for p in model.parameters()],
+                                    [p.grad * scale for p in ref.parameters()])}
+            gc.collect()
     _finish(impl)
     return out

@@ -150,6 +150,35 @@ class FSDPModule:
         if state.unit is not None:
             state.unit.divide_factor = float(factor)
 
+    def set_force_sum_reduction_for_comms(self, enable):
+        """True: this module's gradient collectives sum (ReduceOp.SUM), and the result is
+        divided afterwards by the data-parallel size (shard group times replicas) or the
+        factor of set_gradient_divide_factor, as torch's.  Not recursive, as torch's."""
+        if not isinstance(enable, bool):
+            raise TypeError(f"enable must be a bool, got {enable!r}")
+        state = self._fsdp_state()
+        if state.unit is not None:
+            state.unit.force_sum = enable
+
+    def set_all_reduce_hook(self, hook, *, stream=None):
+        """``hook(reduce_output)`` runs on each of this module's reduced gradients before they
+        reach ``.grad``: this rank's shard in the reduce dtype, after the reduce-scatter
+        (under HSDP after the replicas' all-reduce), before a post-division (force-sum or a
+        divide factor); it may change the tensor in place.  ``stream``: a CUDA stream to
+        run it on, only for a CUDA module without HSDP, as torch's.  Not recursive."""
+        if not callable(hook):
+            raise TypeError(f"hook must be callable as hook(reduce_output), got {hook!r}")
+        state = self._fsdp_state()
+        unit = state.unit
+        if stream is not None:
+            if unit is not None and unit.replicate_group is not None:
+                raise ValueError("stream cannot be set when using native HSDP")
+            if unit is not None and unit.device.type != "cuda":
+                raise ValueError(f"stream must be None for a module on {unit.device}: a "
+                                 f"CPU module's hook runs where its reduction finishes")
+        if unit is not None:
+            unit.all_reduce_hook = (hook, stream)
+
     def set_reduce_scatter_divide_factor(self, factor):
         warnings.warn("set_reduce_scatter_divide_factor is deprecated in torch; use "
                       "set_gradient_divide_factor", FutureWarning, stacklevel=2)
@@ -163,8 +192,8 @@ def _unsupported(name):
     return method
 
 
-for _name in ("set_custom_all_gather", "set_custom_reduce_scatter", "set_all_reduce_hook",
-              "set_post_optim_event", "set_force_sum_reduction_for_comms",
+for _name in ("set_custom_all_gather", "set_custom_reduce_scatter",
+              "set_post_optim_event",
               "set_reduce_scatter_max_input_buffers",
               "set_separate_reduce_scatter_group",
               "set_allocate_memory_from_process_group_for_comm", "set_symm_mem_for_comm"):

@@ -238,8 +238,11 @@ class State:
 
     def _finish_backward(self):
         self.callback_queued = False
-        self.reducing = []
+        in_flight, self.reducing = self.reducing, []
         try:
+            # In the order the reductions started, as torch runs set_all_reduce_hook's hooks.
+            for state in in_flight:
+                state.unit.finish_reduce(state.requires_all_reduce)
             for state in self.states:
                 state.backward_started = False
                 unit = state.unit

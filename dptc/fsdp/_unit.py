@@ -266,7 +266,9 @@ class Unit:
         self.buckets = [_Bucket(ps, *dtypes, self.engine(shard_group), self.current_stream(),
                                 shard_group.num_streams, size)
                         for dtypes, ps in by_dtypes.items()]
-        self.divide_factor = None
+        self.divide_factor = None        # set_gradient_divide_factor
+        self.force_sum = False           # set_force_sum_reduction_for_comms
+        self.all_reduce_hook = None      # set_all_reduce_hook: (hook, CUDA stream or None)
         self.label = "unit"              # its name in profiler ranges, see set_label
         originals = {id(p): param for p, (param, _) in zip(self.params, params_and_locations)}
         for bucket in self.buckets:
@@ -524,7 +526,7 @@ class Unit:
                                  dim=0, num_chunks=size, out=source)
             output = torch.empty(bucket.numel, dtype=bucket.reduce_dtype, device=self.device)
             code = dtype_code(bucket.reduce_dtype)
-            custom = self.divide_factor is not None
+            custom = self.divide_factor is not None or self.force_sum
             redop = REDOP_SUM if custom or not bucket.reduce_dtype.is_floating_point \
                 else REDOP_AVG
             after = None
@@ -535,6 +537,30 @@ class Unit:
             bucket.redop = redop
             bucket.reduce_output = output
             bucket.reduce_had_grad = had
+
+    def _post_divide_factor(self, bucket):
+        """What a reduced bucket is divided by after the collectives summed it (None: they
+        averaged it, or it is not floating point)."""
+        if self.divide_factor is not None:
+            return self.divide_factor
+        if self.force_sum and bucket.reduce_dtype.is_floating_point:
+            replicas = self.replicate_group.size if self.replicate_group is not None else 1
+            return float(self.group.size * replicas)
+        return None
+
+    def _run_all_reduce_hook(self, output):
+        """set_all_reduce_hook's hook on a bucket's reduced gradients (this rank's shard, in
+        the reduce dtype, after the replicas' all-reduce under HSDP, before any division by
+        a factor), as torch's; on its CUDA stream where one was given."""
+        hook, stream = self.all_reduce_hook
+        if stream is None:
+            hook(output)
+            return
+        current = torch.cuda.current_stream(self.device)
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
+            hook(output)
+        current.wait_stream(stream)
 
     def _replicate_stream(self):
         return 1 if self.replicate_group.num_streams > 1 else 0
@@ -562,8 +588,11 @@ class Unit:
                     self.engine(self.replicate_group).run(
                         OP_ALL_REDUCE, dtype_code(output.dtype), bucket.redop, output, output,
                         output.numel(), 0, self._replicate_stream())
-            if self.divide_factor is not None:
-                output.div_(self.divide_factor)
+            if self.all_reduce_hook is not None:
+                self._run_all_reduce_hook(output)
+            factor = self._post_divide_factor(bucket)
+            if factor is not None:
+                output.div_(factor)
             for p, has in zip(bucket.params, had):
                 if not has or not p.sharded.requires_grad:
                     continue
