@@ -21,6 +21,7 @@ import contextlib
 import functools
 
 import torch
+from torch.nn.parallel import DistributedDataParallel as _TorchDDP
 
 __all__ = ["eager", "active_ddp_module"]
 
@@ -44,15 +45,14 @@ def active_ddp_module(ddp):
     """Marks ``ddp`` as torch's active DDP module while its module runs (see [Note:
     torch.compile]); dynamo reads it through ``DistributedDataParallel._get_active_ddp_module``
     (only ``bucket_bytes_cap`` of it), as torch's own composable ``replicate`` sets it."""
-    from torch.nn.parallel import DistributedDataParallel
     if ddp.bucket_bytes_cap < torch.distributed._DEFAULT_FIRST_BUCKET_BYTES:
         # DDPOptimizer refuses a bucket cap below its first bucket's (1 MiB), which fails
         # torch's own compiled DDP there; dptc's forward is then compiled whole instead.
         yield
         return
-    previous = DistributedDataParallel._active_ddp_module
-    DistributedDataParallel._active_ddp_module = ddp
+    previous = _TorchDDP._active_ddp_module
+    _TorchDDP._active_ddp_module = ddp
     try:
         yield
     finally:
-        DistributedDataParallel._active_ddp_module = previous
+        _TorchDDP._active_ddp_module = previous

@@ -24,6 +24,7 @@ import shutil
 
 import pytest
 
+from tests._compare import max_rel
 from tests._launch import run_ranks
 from tests.workers_compile import SCENARIOS
 
@@ -55,16 +56,6 @@ def runs():
     return torch_results, dptc_results
 
 
-def _max_rel(actual, expected):
-    worst = 0.0
-    assert actual.keys() == expected.keys(), (sorted(actual), sorted(expected))
-    for name, want in expected.items():
-        got = actual[name]
-        scale = max(abs(v) for v in want) or 1e-30
-        worst = max(worst, max(abs(a - b) for a, b in zip(got, want)) / scale)
-    return worst
-
-
 @pytest.mark.parametrize("name", [n for n in NAMES if n not in BEYOND_TORCH])
 def test_compiled_wrapper_matches_torch(runs, name):
     torch_results, dptc_results = runs
@@ -72,7 +63,7 @@ def test_compiled_wrapper_matches_torch(runs, name):
         mine, theirs = dptc_results[rank][name], torch_results[rank][name]
         assert theirs["ok"], theirs.get("error")
         assert mine["ok"], mine.get("error")
-        assert _max_rel(mine["params"], theirs["params"]) == 0.0, (name, rank)
+        assert max_rel(mine["params"], theirs["params"]) == 0.0, (name, rank)
         assert mine["ref_rel"] <= REFERENCE, (name, rank, mine["ref_rel"])
         assert theirs["ref_rel"] <= REFERENCE, (name, rank, theirs["ref_rel"])
         assert mine["graphs"] == theirs["graphs"], (name, rank, mine["graphs"],

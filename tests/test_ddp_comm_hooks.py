@@ -23,6 +23,7 @@ rank.
 
 import pytest
 
+from tests._compare import max_rel
 from tests._launch import run_ranks
 
 SCENARIOS = ("probe", "probe_unused", "probe_view_no_sync", "probe_fp16_wrapper", "noop",
@@ -32,16 +33,6 @@ LAUNCH_TIMEOUT_S = 180
 AGREEMENT = 1e-6
 # The hook's future is waited for within DPTC_TIMEOUT; the other failures must be quicker.
 PROMPT_S = 10.0
-
-
-def _rel(actual, expected):
-    worst = 0.0
-    for name, want in expected.items():
-        got = actual[name]
-        assert len(got) == len(want), name
-        scale = max((abs(v) for v in want), default=0.0) or 1e-30
-        worst = max(worst, max((abs(a - b) for a, b in zip(got, want)), default=0.0) / scale)
-    return worst
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +62,8 @@ def test_hook_trains_as_under_torch(runs, name):
         want, got = torch_results[rank][name], dptc_results[rank][name]
         mismatch = _trace_mismatch(got["trace"], want["trace"])
         assert mismatch is None, f"rank {rank}: {mismatch}"
-        assert _rel(got["params"], want["params"]) <= AGREEMENT, rank
-        assert _rel(got["grads"], want["grads"]) <= AGREEMENT, rank
+        assert max_rel(got["params"], want["params"]) <= AGREEMENT, rank
+        assert max_rel(got["grads"], want["grads"]) <= AGREEMENT, rank
 
 
 def test_probes_see_several_buckets_and_the_rebuild(runs):
@@ -95,10 +86,10 @@ def test_probes_see_several_buckets_and_the_rebuild(runs):
 def test_noop_hook_leaves_gradients_local(runs):
     _, dptc_results = runs
     rank0, rank1 = (dptc_results[r]["noop"]["grads"] for r in range(WORLD))
-    assert _rel(rank0, rank1) > 1e-3   # each rank kept its own gradients
+    assert max_rel(rank0, rank1) > 1e-3   # each rank kept its own gradients
     # post_localSGD_hook: after its two global steps the gradients stay local too.
     rank0, rank1 = (dptc_results[r]["post_local_sgd"]["grads"] for r in range(WORLD))
-    assert _rel(rank0, rank1) > 1e-3
+    assert max_rel(rank0, rank1) > 1e-3
 
 
 def _failure(case, env=None):

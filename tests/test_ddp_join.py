@@ -27,6 +27,7 @@ rank still training raise PeerLostError within seconds, not at a timeout.
 
 import pytest
 
+from tests._compare import max_rel
 from tests._launch import run_ranks
 from tests.workers_ddp_join import SCENARIOS
 
@@ -39,16 +40,6 @@ AGREEMENT = 1e-6
 FP16_AGREEMENT = 1e-3    # fp16_compress_hook: fp16 sums at 3 ranks (measured 6.3e-5)
 REFERENCE = 1e-5
 PROMPT_S = 10.0
-
-
-def _rel(actual, expected):
-    worst = 0.0
-    assert actual.keys() == expected.keys(), (sorted(actual), sorted(expected))
-    for name, want in expected.items():
-        got = actual[name]
-        scale = max((abs(v) for v in want), default=0.0) or 1e-30
-        worst = max(worst, max((abs(a - b) for a, b in zip(got, want)), default=0.0) / scale)
-    return worst
 
 
 @pytest.fixture(scope="module")
@@ -70,14 +61,14 @@ def test_join_trains_as_torch(runs, name):
         want, got = torch_results[rank][name], dptc_results[rank][name]
         assert got["error"] == want["error"], (rank, got["error"], want["error"])
         assert got["steps"] == want["steps"], (rank, got["steps"], want["steps"])
-        assert _rel(got["params"], want["params"]) <= tolerance, rank
+        assert max_rel(got["params"], want["params"]) <= tolerance, rank
         synced = {key: value for key, value in got["params"].items() if key not in IGNORED}
         assert synced == {key: value for key, value in dptc_results[0][name]["params"].items()
                           if key not in IGNORED}, \
             f"rank {rank} holds other parameters than rank 0 after join"
         if want["reference"] is not None:
-            assert _rel(want["params"], want["reference"]) <= REFERENCE, ("torch", rank)
-            assert _rel(got["params"], got["reference"]) <= REFERENCE, ("dptc", rank)
+            assert max_rel(want["params"], want["reference"]) <= REFERENCE, ("torch", rank)
+            assert max_rel(got["params"], got["reference"]) <= REFERENCE, ("dptc", rank)
 
 
 def test_the_divisor_and_the_early_exit_matter(runs):
@@ -85,7 +76,7 @@ def test_the_divisor_and_the_early_exit_matter(runs):
     parameters away from dividing by 3, and throw_on_early_termination stops every rank at
     the first step rank 0 lacks."""
     _, dptc_results = runs
-    assert _rel(dptc_results[1]["effective"]["params"],
+    assert max_rel(dptc_results[1]["effective"]["params"],
                 dptc_results[1]["default"]["params"]) > 1e-3
     assert [dptc_results[r]["throw"]["steps"] for r in range(WORLD)] == [2, 2, 2]
     ignored = [dptc_results[r]["ignored"]["params"]["head_a.weight"] for r in range(WORLD)]
@@ -99,8 +90,8 @@ def test_forward_without_grad_inside_join(runs):
     torch_results, dptc_results = runs
     for rank in range(WORLD):
         got = dptc_results[rank]["eval_forward"]
-        assert _rel(got["params"], torch_results[rank]["default"]["params"]) <= AGREEMENT, rank
-        assert _rel(got["params"], got["reference"]) <= REFERENCE, rank
+        assert max_rel(got["params"], torch_results[rank]["default"]["params"]) <= AGREEMENT, rank
+        assert max_rel(got["params"], got["reference"]) <= REFERENCE, rank
         assert got["params"] == dptc_results[0]["eval_forward"]["params"], rank
 
 

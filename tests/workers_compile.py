@@ -23,6 +23,7 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from examples.gpt import Block, PermutationWalk, build_gpt
 from tests._rank import load_impl
+from tests.workers_fsdp import _full, max_rel
 
 __all__ = ["train_cases", "SCENARIOS"]
 
@@ -78,10 +79,6 @@ def _wrap(impl, model, wrapper, how):
     return (torch.compile(model) if how == "outer" else model), contextlib.nullcontext
 
 
-def _full(tensor):
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-
-
 def _loss(model, x, y):
     logits = model(x)
     return F.cross_entropy(logits.flatten(0, 1), y.flatten())
@@ -128,10 +125,7 @@ def _run(impl, name):
         ref_opt.zero_grad()
     with full_params():
         params = [_full(p).detach().clone() for p in model.parameters()]
-    worst = 0.0
-    for p, r in zip(params, ref.parameters()):
-        scale = r.detach().abs().max().item() or 1e-30
-        worst = max(worst, (p - r.detach()).abs().max().item() / scale)
+    worst = max_rel(params, [r.detach() for r in ref.parameters()])
     return {
         "ok": True, "losses": losses, "ref_rel": worst,
         "params": {n: p.flatten().tolist() for n, p in zip(names, params)},

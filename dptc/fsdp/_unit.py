@@ -526,9 +526,9 @@ class Unit:
                                  dim=0, num_chunks=size, out=source)
             output = torch.empty(bucket.numel, dtype=bucket.reduce_dtype, device=self.device)
             code = dtype_code(bucket.reduce_dtype)
-            custom = self.divide_factor is not None or self.force_sum
-            redop = REDOP_SUM if custom or not bucket.reduce_dtype.is_floating_point \
-                else REDOP_AVG
+            # Averaged in the collective unless a division follows (_post_divide_factor).
+            redop = REDOP_SUM if self._post_divide_factor(bucket) is not None or \
+                not bucket.reduce_dtype.is_floating_point else REDOP_AVG
             after = None
             if self.replicate_group is not None and all_reduce and bucket.partial is None:
                 after = (self.engine(self.replicate_group), code, redop,
