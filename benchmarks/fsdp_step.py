@@ -93,6 +93,11 @@ def parse_args(argv):
     parser.add_argument("--shard-last", action="store_true",
                         help="shard_placement_fn: matrices on Shard(-1), their last dim, on "
                              "both fully_shards (the default is Shard(0) for every parameter)")
+    parser.add_argument("--reshard-after-forward", type=int, default=None, metavar="K",
+                        help="reshard_after_forward=K on every block on both fully_shards "
+                             "(K a divisor of --ranks: after forward a rank keeps 1/K of a "
+                             "block, and backward gathers over blocks of K ranks); default: "
+                             "fully_shard's default, True for the blocks")
     parser.add_argument("--vocab", type=int, default=512)
     parser.add_argument("--d-model", type=int, default=256)
     parser.add_argument("--layers", "--n-layer", dest="layers", type=int, default=4)
@@ -167,8 +172,11 @@ def wrap(impl, model, args):
     kwargs = {} if policy is None else {"mp_policy": policy}
     if args.shard_last:
         kwargs["shard_placement_fn"] = shard_last
+    block_kwargs = dict(kwargs)
+    if args.reshard_after_forward is not None:
+        block_kwargs["reshard_after_forward"] = args.reshard_after_forward
     for block in model.blocks:
-        shard(block, **kwargs)
+        shard(block, **block_kwargs)
     shard(model, **kwargs)
     return model
 
@@ -596,8 +604,10 @@ def mib(n):
 
 
 def header(args, th, nranks, torch_version, omp):
+    reshard = args.reshard_after_forward
     print(f"# fsdp_step: {nranks} ranks, torch {torch_version}, OMP_NUM_THREADS={omp}, "
           f"mp {args.mp}{', matrices on Shard(-1)' if args.shard_last else ''}"
+          f"{f', blocks reshard_after_forward={reshard}' if reshard is not None else ''}"
           f"{', every block compiled' if args.compile else ''}")
     print(f"# model: examples/gpt.py build_gpt(vocab={args.vocab}, d_model={args.d_model}, "
           f"n_layer={args.layers}, n_head={args.n_head}, ctx={args.ctx}), "

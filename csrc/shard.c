@@ -194,23 +194,26 @@ static int unit_close_range(UnitObject *self, PyObject **range)
     return dptc_range_close(unit_module_state(self), range) == DPTC_OK ? 0 : -1;
 }
 
-/* unshard(dtype, input, outputs, count) -> bool: SHARDED -> UNSHARDING.
- * Gathers every rank's `input` (count elements, the concatenation of this
- * rank's pieces) into the list of unsharded `outputs`.  False, doing
- * nothing, when the unit is already unsharding or unsharded. */
+/* unshard(dtype, input, outputs, count[, group]) -> bool: SHARDED ->
+ * UNSHARDING.  Gathers every rank's `input` (count elements, the
+ * concatenation of this rank's pieces) into the list of unsharded
+ * `outputs`, over the unit's group or, after a reshard to a smaller group
+ * in forward, over `group` (a dptc._C.Group with as many streams).  False,
+ * doing nothing, when the unit is already unsharding or unsharded. */
 static PyObject *unit_unshard(UnitObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "unshard(dtype, input, outputs, count)");
+    if (nargs != 4 && nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "unshard(dtype, input, outputs, count[, group])");
         return NULL;
     }
     if (self->state != UNIT_SHARDED)
         Py_RETURN_FALSE;
+    PyObject *group = nargs == 5 && args[4] != Py_None ? args[4] : self->group;
     if (unit_open_range(self, &self->gather_range, "dptc::all_gather") < 0)
         return NULL;
     PyObject *zero = PyLong_FromLong(0);
     if (zero)
-        self->gather_work = submit(self, self->group, DPTC_OP_ALL_GATHER, args[0], zero, args[1],
+        self->gather_work = submit(self, group, DPTC_OP_ALL_GATHER, args[0], zero, args[1],
                                    args[2], args[3], self->gather_stream);
     Py_XDECREF(zero);
     if (!self->gather_work) {
@@ -435,8 +438,9 @@ static void unit_dealloc(UnitObject *self)
 
 static PyMethodDef unit_methods[] = {
     {"unshard", (PyCFunction)(void (*)(void))unit_unshard, METH_FASTCALL,
-     "unshard(dtype, input, outputs, count) -> bool\n\nsharded -> unsharding: gathers into "
-     "outputs on the gather stream; False when already unsharding or unsharded."},
+     "unshard(dtype, input, outputs, count[, group]) -> bool\n\nsharded -> unsharding: "
+     "gathers into outputs on the gather stream (of group, default the unit's); False when "
+     "already unsharding or unsharded."},
     {"wait_unshard", (PyCFunction)unit_wait_unshard, METH_NOARGS,
      "wait_unshard()\n\nunsharding -> unsharded; a no-op when unsharded."},
     {"reshard", (PyCFunction)unit_reshard, METH_NOARGS,

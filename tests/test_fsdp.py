@@ -32,20 +32,24 @@ PLAN = {
                      "odd", "mixed", "gpt_bf16", "odd_bf16", "gpt_shard_last",
                      "odd_shard_last"],
     ("dptc", 4, 1): ["gpt_hsdp", "odd_hsdp", "gpt_hsdp_nosync", "gpt_hsdp_noallreduce",
-                     "gpt_hsdp_bf16", "gpt_hsdp_shard_last"],
-    ("dptc", 4, 2): ["gpt_hsdp", "odd_hsdp"],
+                     "gpt_hsdp_bf16", "gpt_hsdp_shard_last", "gpt_flat", "gpt_reshard2",
+                     "gpt_no_reshard_flat", "odd_reshard2_shard_last", "gpt_bf16_reshard2"],
+    # gpt_reshard2 on 2 nodes: the shard group spans them, backward gathers within a node.
+    ("dptc", 4, 2): ["gpt_hsdp", "odd_hsdp", "gpt_reshard2"],
     # (torch's CPUOffloadPolicy() pins memory, which fails without an accelerator, so
     # "gpt_explicit" runs on dptc only.)
     ("torch", 2, 1): ["gpt_fp32", "gpt_bf16", "gpt_unfreeze_bf16", "gpt_dropgrad_bf16",
                       "gpt_shard_last", "gpt_bf16_shard_last"],
     ("torch", 3, 1): ["gpt", "odd", "gpt_bf16", "mixed", "odd_bf16"],
-    ("torch", 4, 1): ["gpt_hsdp", "gpt_hsdp_noallreduce", "gpt_hsdp_bf16"],
+    ("torch", 4, 1): ["gpt_hsdp", "gpt_hsdp_noallreduce", "gpt_hsdp_bf16", "gpt_flat",
+                      "gpt_reshard2", "gpt_no_reshard_flat", "gpt_bf16_reshard2"],
 }
 
 # The GPT scenarios train in float64 (see ADAM_EPS in workers_fsdp): the ranks and the
 # reference differ only by summation order, ~1e-13 after 3 steps; a wrong shard, gradient or
 # average shows as ~1e-3.  float32 scenarios: the issue's bound, 1e-5 (measured 6e-7).
-TOLERANCE = {"gpt_fp32": 1e-5, "odd": 1e-5, "odd_shard_last": 1e-5, "mixed": 1e-5}
+TOLERANCE = {"gpt_fp32": 1e-5, "odd": 1e-5, "odd_shard_last": 1e-5, "mixed": 1e-5,
+             "odd_reshard2_shard_last": 1e-5}
 FLOAT64_TOLERANCE = 1e-10
 
 _launches = {}
@@ -146,7 +150,8 @@ def _params_rel(a, b):
 
 @pytest.mark.parametrize("world_size,name", [(2, "gpt_bf16"), (3, "gpt_bf16"),
                                              (3, "odd_bf16"), (4, "gpt_hsdp_bf16"),
-                                             (2, "gpt_bf16_shard_last")])
+                                             (2, "gpt_bf16_shard_last"),
+                                             (4, "gpt_bf16_reshard2")])
 def test_bf16_policy_matches_torch(world_size, name):
     """param_dtype=bfloat16, reduce_dtype=float32, same policy on both sides: dptc's trained
     parameters equal torch fully_shard's within 1e-6.  Both gather the same bf16 casts and run
@@ -161,6 +166,26 @@ def test_bf16_policy_matches_torch(world_size, name):
     assert mine["out_dtype"] == theirs["out_dtype"] == \
         ("torch.float32" if name == "odd_bf16" else "torch.bfloat16")
     assert all(math.isfinite(v) for v in mine["losses"])
+
+
+@pytest.mark.parametrize("impl", ["dptc", "torch"])
+def test_reshard_after_forward_to_smaller_group(impl):
+    """reshard_after_forward=2 at 4 ranks (blocks of 2 ranks; given to every unit, the root
+    too): the first forward leaves each rank holding half of every unit's padded unsharded
+    bytes, where reshard_after_forward=True leaves the blocks none (the root keeps all of its
+    own: its default is False) and False all; measured as the bytes of the live tensors after
+    forward less those before, the same activations in all three.  torch's fully_shard holds
+    the same bytes to the byte.  (The training itself is checked against the single process
+    in test_matches_single_process, gpt_reshard2 and odd_reshard2_shard_last.)"""
+    runs = {name: _scenario(impl, 4, name)
+            for name in ("gpt_flat", "gpt_reshard2", "gpt_no_reshard_flat")}
+    for rank in range(4):
+        flat, half, none = (runs[name][rank] for name in runs)
+        blocks = flat["padded_unsharded_blocks"]
+        root = flat["padded_unsharded"] - blocks
+        assert none["forward_held"] - flat["forward_held"] == blocks, (rank, flat, none)
+        assert half["forward_held"] - flat["forward_held"] == (blocks + root) // 2 - root, \
+            (rank, flat["forward_held"], half["forward_held"], blocks, root)
 
 
 def test_unfreeze_after_first_forward_beyond_torch():

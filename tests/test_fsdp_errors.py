@@ -24,7 +24,9 @@ layer is one launch whose results the tests share):
   backward, is recovered by reset_iter_state() without a trace in the numbers.
 - four ranks: reshard_after_forward as an int against a shard group of 4: 1 and 4 mean False
   and True, 3 does not divide 4 (ValueError, torch too), 2 (resharding to a group of 2 after
-  forward) torch supports and dptc refuses with NotImplementedError.
+  forward) both accept; dptc's blocks keep half their unsharded bytes after forward, none
+  after backward or after set_reshard_after_forward(True) (the training, and torch's bytes:
+  test_fsdp.py).
 - failures, with DPTC_TIMEOUT=30: one rank raises inside a block's forward, diverges after
   catching that error, or is SIGKILLed there; every other rank raises a dptc.DistError within
   FAST_S seconds of the step's start (not at the timeout), every process exits by itself, and
@@ -193,7 +195,7 @@ def test_exception_on_every_rank_is_recoverable(phase):
 def test_reshard_after_forward_int_at_four_ranks():
     expected = {
         "dptc_1": (None, []),
-        "dptc_2": ("NotImplementedError", ["reshard_after_forward=2", "pass True or False"]),
+        "dptc_2": (None, []),
         "dptc_3": ("ValueError", ["reshard_after_forward", "got 3",
                                   "an int that divides the shard group size 4"]),
         "dptc_4": (None, []),
@@ -205,6 +207,12 @@ def test_reshard_after_forward_int_at_four_ranks():
     for result in _launch("four_ranks", "tests.workers_fsdp_errors:four_rank_cases", 4):
         for case, (error_type, fragments) in expected.items():
             _check(result[case], error_type, fragments)
+        # After forward the blocks keep half their padded unsharded bytes, none once backward
+        # gathered them; set_reshard_after_forward(True) reshards over all 4 ranks again.
+        kept = result["dptc_2_kept"]
+        assert kept["type"] is None, kept
+        half = kept["value"]["padded_blocks"] // 2
+        assert kept["value"]["kept"] == [half, 0, 0, 0], kept
 
 
 # ---------------------------------------------------------------------------------------------

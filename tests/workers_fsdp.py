@@ -19,6 +19,7 @@ A scenario's result, per rank (JSON), keyed by scenario name:
 import dataclasses
 import gc
 import os
+import time
 import traceback
 
 import torch
@@ -67,6 +68,8 @@ class Scenario:
     # "last": shard_placement_fn puts every parameter of 2 or more dims on Shard(-1), its
     # last dim (the others on Shard(0)).
     placement: str = ""
+    # Measure the bytes the first forward leaves held (_tensor_bytes after it, less before).
+    forward_bytes: bool = False
 
 
 SCENARIOS = {
@@ -95,6 +98,14 @@ SCENARIOS = {
     "gpt_hsdp_shard_last": Scenario(hsdp=True, placement="last"),
     "gpt_bf16_shard_last": Scenario(mp=True, reference=False, dtype=torch.float32,
                                     placement="last"),
+    # At 4 ranks: reshard_after_forward True, 2 (blocks of 2 ranks) and False, each measuring
+    # what the first forward leaves held.
+    "gpt_flat": Scenario(forward_bytes=True),
+    "gpt_reshard2": Scenario(reshard_after_forward=2, forward_bytes=True),
+    "gpt_no_reshard_flat": Scenario(reshard_after_forward=False, forward_bytes=True),
+    "odd_reshard2_shard_last": Scenario(model="odd", reshard_after_forward=2, placement="last"),
+    "gpt_bf16_reshard2": Scenario(mp=True, reference=False, dtype=torch.float32,
+                                  reshard_after_forward=2),
 }
 
 
@@ -260,7 +271,16 @@ def _run(impl, name, scenario):
                 model.set_requires_gradient_sync(last)
             if scenario.accumulation == "noallreduce":
                 model.set_requires_all_reduce(last)
+            if scenario.forward_bytes and step == 0 and micro == 0:
+                gc.collect()
+                before = _tensor_bytes()
             loss = _loss(model, scenario.model, x[mine], y[mine]) / MICRO
+            if scenario.forward_bytes and step == 0 and micro == 0:
+                # gloo's threads may still hold a finished collective's tensors for a moment
+                # (1 launch in 8 of torch's, one rank: a block's gathered bytes).
+                time.sleep(0.2)
+                gc.collect()
+                forward_held = _tensor_bytes() - before
             loss.backward()
             losses.append(loss.item())
             if ref is not None:
@@ -306,6 +326,15 @@ def _run(impl, name, scenario):
         "out_dtype": _OUT_DTYPES[-1],
         "is_original": isinstance(model, type(_build(scenario.model))),
     }
+    if scenario.forward_bytes:
+        # The unsharded parameters' bytes, padded as the gathers pad them (ceil(d / world)
+        # rows per rank; a tied parameter once).
+        def padded(params):
+            return sum(world * -(-p.shape[0] // world) * (p.numel() // p.shape[0]) *
+                       p.element_size() for p in params)
+        result["forward_held"] = forward_held
+        result["padded_unsharded"] = padded(model.parameters())
+        result["padded_unsharded_blocks"] = padded(model.blocks.parameters())
     if ref is not None:
         result["ref_rel"] = max_rel(list(params.values()),
                                      [r.detach() for r in ref.parameters()])

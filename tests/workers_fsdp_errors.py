@@ -361,8 +361,35 @@ def four_rank_cases():
                 model = _net()
                 fs.fully_shard(model, reshard_after_forward=value)
             result[f"{impl}_{value}"] = _outcome(case)
+    result["dptc_2_kept"] = _outcome_value(_kept_after_forward)
     dptc.destroy_process_group()
     return result
+
+
+def _kept_after_forward():
+    """Bytes the blocks keep after a forward with reshard_after_forward=2, then after
+    set_reshard_after_forward(True) (the whole shard group again), and the padded unsharded
+    bytes of the blocks."""
+    import dptc
+    model = _net()
+    for block in model.blocks:
+        dptc.fully_shard(block, reshard_after_forward=2)
+    dptc.fully_shard(model)
+    units = [block._fsdp_state().unit for block in model.blocks]
+    generator = torch.Generator().manual_seed(SEED)
+    world, rank = dptc.get_world_size(), dptc.get_rank()
+    kept = []
+    for reshard in (2, True):
+        if reshard is True:
+            model.set_reshard_after_forward(True)
+        x = torch.randn(ROWS_PER_RANK * world, WIDTH, dtype=torch.float64, generator=generator)
+        loss = model(x[rank * ROWS_PER_RANK:(rank + 1) * ROWS_PER_RANK]).square().mean()
+        kept.append(sum(unit.kept_bytes() for unit in units))
+        loss.backward()
+        kept.append(sum(unit.kept_bytes() for unit in units))
+    padded = sum(world * -(-p.shape[0] // world) * (p.numel() // p.shape[0]) * p.element_size()
+                 for p in model.blocks.parameters())
+    return {"kept": kept, "padded_blocks": padded}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -106,7 +106,12 @@ class FSDPModule:
         self._set_flag("requires_all_reduce", requires_all_reduce, recurse)
 
     def set_reshard_after_forward(self, reshard_after_forward, recurse=True):
+        """A bool, as torch's: True reshards over the whole shard group again, also where
+        fully_shard was given an int."""
         self._set_flag("reshard_after_forward", reshard_after_forward, recurse)
+        for state in self._subtree_states() if recurse else [self._fsdp_state()]:
+            if state.unit is not None:
+                state.unit.post_forward_group = None
 
     def set_reshard_after_backward(self, reshard_after_backward, *, recurse=True):
         self._set_flag("reshard_after_backward", reshard_after_backward, recurse)
@@ -267,6 +272,23 @@ def _mesh_groups(mesh, device_type):
                      f"{mesh.ndim} dims")
 
 
+_blocks_meshes = {}     # (world group, device type, mesh ranks, k) -> mesh of blocks of k
+
+
+def _blocks_group(mesh, k):
+    """reshard_after_forward=k: the dptc group of this rank's block of k consecutive ranks of
+    mesh, its ranks viewed as (-1, k), as torch's fully_shard makes it (see [Note:
+    resharding to a smaller group] in _unit.py).  The mesh of blocks is made once per mesh
+    and k (every rank makes it, in the same order: a collective), so that the units of one
+    model share its groups."""
+    ranks = mesh.mesh.reshape(-1, k)
+    key = (id(default_group()), mesh.device_type, tuple(ranks.flatten().tolist()), k)
+    blocks = _blocks_meshes.get(key)
+    if blocks is None:
+        blocks = _blocks_meshes[key] = DeviceMesh(mesh.device_type, ranks)
+    return resolve(blocks.get_group(1), "reshard_after_forward")
+
+
 def _owned_modules(module):
     """module and its descendants, not descending into modules fully_shard was applied to."""
     yield module
@@ -368,6 +390,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
         raise TypeError(f"offload_policy must be an OffloadPolicy, got {offload_policy!r}")
     cuda = any(p.device.type == "cuda" for m in modules for p in m.parameters())
     mesh, shard_group, replicate_group = _mesh_groups(mesh, "cuda" if cuda else "cpu")
+    post_forward_group = None
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
         size = shard_group.size
         if not isinstance(reshard_after_forward, int) or not 1 <= reshard_after_forward <= size \
@@ -380,9 +403,8 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
         elif reshard_after_forward == size:
             reshard_after_forward = True
         else:
-            raise NotImplementedError(
-                f"reshard_after_forward={reshard_after_forward} (resharding to a smaller group "
-                f"after forward) is not implemented by dptc; pass True or False")
+            post_forward_group = _blocks_group(mesh, reshard_after_forward)
+            reshard_after_forward = True
     ignored = set(ignored_params or ())
     params = _collect_params(modules, ignored)
     for param, locations in params:
@@ -391,6 +413,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
     dims = _shard_dims(params, shard_placement_fn)
     unit = Unit(params, mesh, shard_group, replicate_group, mp_policy, dims) if params else None
     if unit is not None:
+        unit.post_forward_group = post_forward_group
         for p in unit.params:
             p.owners = modules
             p.sharded._dptc_fsdp_param = p

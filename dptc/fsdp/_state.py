@@ -9,7 +9,8 @@ Each fully_shard module has one State.  Its hooks are thin: they call the unit's
 - Pre-forward: unshard this unit (waiting for a prefetch if one was started), then start
   gathering the next unit in forward order (or the explicit forward-prefetch list), so the
   gather overlaps this unit's compute.  Inputs are cast to ``param_dtype``.
-- Post-forward: reshard unless ``reshard_after_forward`` is False (the root's default), and hook
+- Post-forward: reshard unless ``reshard_after_forward`` is False (the root's default; an int
+  reshards to a smaller group, see [Note: resharding to a smaller group] in _unit.py), and hook
   the outputs so the first gradient reaching them runs pre-backward.
 - Pre-backward: unshard this unit again and prefetch the unit that ran forward before it (or
   the explicit backward-prefetch list; FSDP1's BACKWARD_POST moves this prefetch to
@@ -115,13 +116,13 @@ class State:
         if self not in root.forward_order:
             root.forward_order.append(self)
         if self.unit is not None:
-            self.unit.unshard()
+            self.unit.unshard(root.in_backward)
             self.unit.wait_unshard()
             if not root.in_backward:
                 self.unit.reset_ready()
         for state in self._next_in_forward():
             if state.unit is not None:
-                state.unit.unshard()
+                state.unit.unshard(root.in_backward)
         policy = self.mp_policy
         if policy.param_dtype is not None and policy.cast_forward_inputs:
             args, kwargs = tree_map(lambda v: _cast(v, policy.param_dtype), (args, kwargs))
@@ -143,7 +144,10 @@ class State:
         self.forwarded = 0
         root.post_forward_order.append(self)
         if self.unit is not None and self.reshard_after_forward and not root.in_backward:
-            self.unit.reshard()
+            if self.unit.post_forward_group is not None:
+                self.unit.reshard_to_smaller_group()
+            else:
+                self.unit.reshard()
         output = self._cast_output(output)
         if torch.is_grad_enabled():
             tensors = [t for t in tree_flatten(output)[0]
@@ -196,7 +200,7 @@ class State:
         if self.unit is not None:
             if self.unit.state == "sharded" and not self.unshard_in_backward:
                 return
-            self.unit.unshard()
+            self.unit.unshard(in_backward=True)
             self.unit.wait_unshard()
         if not self.prefetch_after_backward:
             self._prefetch_backward()
@@ -205,7 +209,7 @@ class State:
         for state in self._next_in_backward():
             if state.unit is not None and state.unshard_in_backward and \
                     not state.backward_started:
-                state.unit.unshard()
+                state.unit.unshard(in_backward=True)
     def _next_in_backward(self):
         if self.backward_prefetch is not None:
             return self.backward_prefetch

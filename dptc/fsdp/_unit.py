@@ -117,6 +117,21 @@ class _Param:
                 piece[:used].view(self.rank_shape(r)).copy_(self.narrow(grad, r))
             piece[used:].zero_()
 
+    def keep_pieces(self, first, count, out):
+        """Writes the gathered pieces of ranks [first, first + count), padded, into out (count
+        pieces one after another): what this rank keeps of p after a reshard to a smaller
+        group in forward (see [Note: resharding to a smaller group])."""
+        if self.dim == 0:
+            flat = self.padded.view(-1)
+            out.copy_(flat[first * self.piece:(first + count) * self.piece])
+            return
+        for k, r in enumerate(range(first, first + count)):
+            used = self.rank_rows(r) * self.row_numel
+            piece = out[k * self.piece:(k + 1) * self.piece]
+            if used:
+                piece[:used].view(self.rank_shape(r)).copy_(self.narrow(self.unsharded, r))
+            piece[used:].zero_()
+
     def _storage_tensors(self):
         return [self.padded] if self.dim == 0 else [self.padded, self.writer]
 
@@ -188,6 +203,7 @@ class _Bucket:
         self.redop = None                    # of the reduction in flight
         self.partial = None                  # HSDP: reduce-scattered, not yet all-reduced
         self.partial_had = None
+        self.kept = None                     # after a reshard to a smaller group: its input
 
 
 class ReduceRing:
@@ -270,6 +286,8 @@ class Unit:
         self.force_sum = False           # set_force_sum_reduction_for_comms
         self.all_reduce_hook = None      # set_all_reduce_hook: (hook, CUDA stream or None)
         self.label = "unit"              # its name in profiler ranges, see set_label
+        # reshard_after_forward as an int: the smaller group backward gathers over, or None.
+        self.post_forward_group = None
         originals = {id(p): param for p, (param, _) in zip(self.params, params_and_locations)}
         for bucket in self.buckets:
             self._shard(bucket, originals)
@@ -378,21 +396,30 @@ class Unit:
     def state(self):
         return self.buckets[0].c.state if self.buckets else "sharded"
 
-    def unshard(self):
-        """Starts gathering every bucket (a no-op for one already unsharding or unsharded)."""
+    def unshard(self, in_backward=False):
+        """Starts gathering every bucket (a no-op for one already unsharding or unsharded):
+        from the shards over the shard group, or, in backward after
+        reshard_to_smaller_group, from what this rank kept, over the smaller group."""
         for bucket in self.buckets:
             if bucket.c.state != "sharded":
                 continue
+            if not in_backward:
+                bucket.kept = None
             gathered = bucket.gathered
             for p in gathered:
                 p.allocate()
             if not gathered:
                 continue
+            outputs = [p.padded for p in gathered]
+            code = dtype_code(bucket.compute_dtype)
+            if bucket.kept is not None:
+                group, kept = self.post_forward_group, bucket.kept
+                bucket.c.unshard(code, kept, outputs, kept.numel(), self.engine(group))
+                continue
             source = bucket.flat
             if bucket.compute_dtype != bucket.orig_dtype:
                 source = source.to(bucket.compute_dtype)
-            bucket.c.unshard(dtype_code(bucket.compute_dtype), source,
-                             [p.padded for p in gathered], bucket.numel)
+            bucket.c.unshard(code, source, outputs, bucket.numel)
 
     def wait_unshard(self):
         """Waits for the gathers and puts the unsharded parameters on the modules."""
@@ -402,6 +429,7 @@ class Unit:
                     raise RuntimeError("wait_unshard before unshard")
             else:
                 bucket.c.wait_unshard()
+                bucket.kept = None
                 for p in bucket.gathered:
                     p.assemble()
             for p in bucket.params:
@@ -413,9 +441,49 @@ class Unit:
         """Frees the unsharded storage and puts the sharded parameters back on the modules."""
         for bucket in self.buckets:
             bucket.c.reshard()
+            bucket.kept = None
             for p in bucket.params:
                 p.free()
                 p.register(p.sharded)
+
+    def reshard_to_smaller_group(self):
+        """After forward, with reshard_after_forward an int: keeps this rank's share of the
+        unsharded parameters over post_forward_group, then reshards, so that backward
+        gathers over that group alone.  [Note: resharding to a smaller group]
+        reshard_after_forward=k (a divisor of the shard group's size N) splits the shard
+        group into blocks of k consecutive ranks, as torch's fully_shard does (its mesh viewed
+        as (-1, k)).  In a unit's post-forward the member of rank j in its block keeps pieces
+        [j * N/k, (j + 1) * N/k) of every gathered parameter (padded, in the compute dtype),
+        N/k of the N ranks' pieces, in one tensor per bucket laid out as the shard buffer
+        with every piece N/k times as long.  Backward's gather over the block puts them back
+        where the full gather would; the tensor is freed once that gather is done, or when
+        the unit reshards (a forward that is not a recomputation gathers from the shards
+        again: an optimizer step may have changed them).  Between forward and backward a
+        rank so holds 1/k of each unit's unsharded bytes besides its shards, where
+        reshard_after_forward=True holds none and False all; the modules hold the sharded
+        parameters meanwhile."""
+        group = self.post_forward_group
+        span = self.group.size // group.size
+        first = group.rank * span
+        for bucket in self.buckets:
+            kept = None
+            if bucket.c.state == "unsharded" and bucket.gathered:
+                kept = torch.empty(span * bucket.numel, dtype=bucket.compute_dtype,
+                                   device=self.device)
+                with torch.no_grad():
+                    for p in bucket.gathered:
+                        p.keep_pieces(first, span,
+                                      kept[span * p.offset:span * (p.offset + p.piece)])
+            bucket.c.reshard()
+            bucket.kept = kept
+            for p in bucket.params:
+                p.free()
+                p.register(p.sharded)
+
+    def kept_bytes(self):
+        """Bytes this unit keeps after reshard_to_smaller_group until backward gathers."""
+        return sum(b.kept.numel() * b.kept.element_size() for b in self.buckets
+                   if b.kept is not None)
 
     def summon(self, with_grads=False):
         """Puts full parameters in their original dtype on the modules (FSDP1's
