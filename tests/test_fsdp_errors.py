@@ -20,6 +20,9 @@ layer is one launch whose results the tests share):
     prefetch of a module fully_shard was not applied to   torch: ValueError as well
     non-contiguous parameter   torch: NotImplementedError; dptc accepts it and trains it to
                          the single-process numbers (float64, 2 ranks)
+    a DTensor parameter on a 2-D mesh, with the default mesh   torch: TypeError "Invariant
+                         encountered"; dptc: NotImplementedError naming what it takes (1-D
+                         tensor-parallel DTensors, tests/test_fsdp_tp.py)
   The same launch checks that an exception raised on every rank alike, in forward or in
   backward, is recovered by reset_iter_state() without a trace in the numbers.
 - four ranks: reshard_after_forward as an int against a shard group of 4: 1 and 4 mean False
@@ -93,6 +96,9 @@ REFUSALS = {
                                           "FSDPBlock"],
                             "TypeError", "not iterable"),
     "noncontiguous": (None, [], "NotImplementedError", "non-contiguous parameters"),
+    "dtensor_on_2d_mesh": ("NotImplementedError", ["Linear.weight", "2-D mesh",
+                                                   "tensor-parallel DTensors on a 1-D mesh"],
+                           "TypeError", "Invariant encountered"),
 }
 
 _launches = {}

@@ -207,6 +207,15 @@ def _refusals(impl, after):
     def noncontiguous():
         fs.fully_shard(_net(transposed=True).blocks[0])
 
+    def dtensor_on_2d_mesh():
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Replicate, distribute_tensor
+        mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("a", "b"))
+        module = nn.Linear(3, 4)
+        module.weight = nn.Parameter(distribute_tensor(module.weight.detach(), mesh,
+                                                       [Replicate(), Shard(0)]))
+        fs.fully_shard(module)
+
     cases = {
         "applied_twice": applied_twice,
         "child_after_parent": child_after_parent,
@@ -223,6 +232,7 @@ def _refusals(impl, after):
         "backward_prefetch_of_plain_module": backward_prefetch_of_plain_module,
         "prefetch_not_a_list": prefetch_not_a_list,
         "noncontiguous": noncontiguous,
+        "dtensor_on_2d_mesh": dtensor_on_2d_mesh,
     }
     return {name: _outcome(case) for name, case in cases.items()}
 

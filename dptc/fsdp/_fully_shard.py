@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..group import default_group, resolve
 from ._api import MixedPrecisionPolicy, OffloadPolicy
@@ -319,11 +319,25 @@ def _collect_params(modules, ignored):
                         managed.locations.append((module, name))
                     continue
                 if isinstance(param, DTensor):
-                    raise ValueError(f"{type(module).__name__}.{name} is already a DTensor; "
-                                     f"fully_shard shards plain parameters")
+                    _check_tensor_parallel(param, f"{type(module).__name__}.{name}")
                 entry = found.setdefault(id(param), (param, []))
                 entry[1].append((module, name))
     return list(found.values())
+
+
+def _check_tensor_parallel(param, where):
+    """A DTensor parameter is a tensor-parallel one (see [Note: tensor-parallel parameters]
+    in _unit.py): on a 1-D mesh, Shard or Replicate."""
+    placements = param.placements
+    if param.device_mesh.ndim != 1 or not all(type(p) in (Shard, Replicate)
+                                              for p in placements):
+        raise NotImplementedError(
+            f"{where} is a DTensor on a {param.device_mesh.ndim}-D mesh placed {placements}; "
+            f"dptc's fully_shard takes plain parameters and tensor-parallel DTensors on a 1-D "
+            f"mesh placed Shard(d) or Replicate() (parallelize_module on mesh['tp'])")
+    if not param._local_tensor.is_contiguous():
+        raise ValueError(f"{where} is a DTensor whose local tensor is not contiguous; make it "
+                         f"contiguous before fully_shard")
 
 
 def _check_param(param, where):

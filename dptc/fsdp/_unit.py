@@ -34,7 +34,9 @@ import os
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from .. import _C
 from .._dtypes import OP_ALL_REDUCE, REDOP_AVG, REDOP_SUM, dtype_code
@@ -50,8 +52,16 @@ class _Param:
     def __init__(self, param, locations, size, rank, dim=0):
         self.locations = locations            # [(module, attribute name)], several when tied
         self.owners = []                      # the modules fully_shard was applied to
+        # A tensor-parallel parameter (a DTensor on its own mesh) is sharded by its local
+        # tensor, see [Note: tensor-parallel parameters].
+        self.tp_spec = param._spec if isinstance(param, DTensor) else None
+        self.global_shape = param.shape
+        self.global_stride = param.stride()
+        param = local_data(param)
         self.shape = param.shape
         self.stride = param.stride() if not param.is_meta else _contiguous_stride(param.shape)
+        if self.tp_spec is None:
+            self.global_stride = self.stride
         self.orig_dtype = param.dtype
         self.dim = dim                        # the shard dim, see [Note: sharded layout]
         self.extent = self.shape[dim]         # its size
@@ -129,8 +139,29 @@ class _Param:
             used = self.rank_rows(r) * self.row_numel
             piece = out[k * self.piece:(k + 1) * self.piece]
             if used:
-                piece[:used].view(self.rank_shape(r)).copy_(self.narrow(self.unsharded, r))
+                piece[:used].view(self.rank_shape(r)).copy_(self.narrow(self.writer, r))
             piece[used:].zero_()
+
+    def wrap_unsharded(self, tensor, requires_grad):
+        """The unsharded parameter over tensor (full local shape): tensor itself, or for a
+        tensor-parallel parameter the DTensor on its mesh with its placements."""
+        if self.tp_spec is not None:
+            spec = self.tp_spec
+            tensor = DTensor.from_local(tensor, spec.mesh, spec.placements, run_check=False,
+                                        shape=self.global_shape, stride=self.global_stride)
+        return nn.Parameter(tensor, requires_grad=requires_grad)
+
+    def unsharded_grad(self):
+        """The unsharded parameter's gradient as a plain tensor of the full local shape, or
+        None: for a tensor-parallel parameter its local tensor, once in the parameter's own
+        placements (a gradient that autograd left Partial is reduced over the mesh first,
+        as torch's fully_shard does)."""
+        grad = self.unsharded.grad
+        if grad is None or self.tp_spec is None:
+            return grad
+        if tuple(grad.placements) != tuple(self.tp_spec.placements):
+            grad = grad.redistribute(placements=self.tp_spec.placements)
+        return grad._local_tensor
 
     def _storage_tensors(self):
         return [self.padded] if self.dim == 0 else [self.padded, self.writer]
@@ -167,6 +198,11 @@ class _Param:
     def register(self, param):
         for module, name in self.locations:
             module._parameters[name] = param
+
+
+def local_data(param):
+    """What a unit shards of param: param itself, or a DTensor's local tensor."""
+    return param._local_tensor if isinstance(param, DTensor) else param
 
 
 def _contiguous_stride(shape):
@@ -313,16 +349,16 @@ class Unit:
             local = p.local_alias(bucket.flat)
             if not orig.is_meta and p.local_rows:
                 with torch.no_grad():
-                    local.copy_(p.narrow(orig.detach()))
+                    local.copy_(p.narrow(local_data(orig).detach()))
             p.sharded = nn.Parameter(self._dtensor(local, p), requires_grad=orig.requires_grad)
             kind = dict(dtype=bucket.compute_dtype, device=self.device)
             if p.dim == 0:
                 p.padded = torch.empty((self.group.size * p.rows,) + tuple(p.shape[1:]), **kind)
-                p.unsharded = nn.Parameter(p.padded[:p.extent], requires_grad=orig.requires_grad)
+                p.unsharded = p.wrap_unsharded(p.padded[:p.extent], orig.requires_grad)
             else:
                 p.padded = torch.empty(self.group.size * p.piece, **kind)
                 full = torch.empty(p.shape, **kind)
-                p.unsharded = nn.Parameter(full, requires_grad=orig.requires_grad)
+                p.unsharded = p.wrap_unsharded(full, orig.requires_grad)
                 # Its own version counter: writing the gathered values through it does not
                 # invalidate the tensors autograd saved from the unsharded parameter.
                 p.writer = torch.empty(0, **kind).set_(full.untyped_storage(), 0, full.shape,
@@ -351,9 +387,40 @@ class Unit:
         return self.device.type == "cpu" and self.group.size > 1 and self.group.nnodes == 1
 
     def _dtensor(self, local, p):
-        placements = (Replicate(), Shard(p.dim)) if self.hsdp else (Shard(p.dim),)
-        return DTensor.from_local(local, self.mesh, placements, run_check=False,
-                                  shape=p.shape, stride=p.stride)
+        """p's shard (or sharded gradient) as the DTensor a user sees.
+
+        [Note: tensor-parallel parameters]
+        A parameter that is already a DTensor on a mesh of its own (tensor parallelism:
+        parallelize_module made it, on the tp dimension of the mesh whose dp dimension this
+        unit shards over) is sharded by its local tensor, which the gathers and reductions move
+        as they move a plain parameter.  As under torch's fully_shard, its shard is a DTensor on
+        the two meshes concatenated, (dp, tp), placed on dp as Shard(d) or, where the tensor-
+        parallel placement splits d too, as _StridedShard(d, split_factor) (the dp pieces lie
+        inside the tp pieces), followed by its tensor-parallel placements; HSDP puts
+        Replicate() first.  The unsharded parameter forward and backward see is the DTensor
+        of the tensor-parallel layout over the gathered local tensor, so the tensor-parallel
+        modules run unchanged, and its gradient is taken in those placements."""
+        dp = Shard(p.dim)
+        if p.tp_spec is None:
+            mesh, placements = self.mesh, (dp,)
+        else:
+            mesh = self._spmd_mesh(p.tp_spec.mesh)
+            split = p.tp_spec.num_shards_map[p.dim]
+            if split > 1:
+                dp = _StridedShard(p.dim, split_factor=split)
+            placements = (dp,) + tuple(p.tp_spec.placements)
+        if self.hsdp:
+            placements = (Replicate(),) + placements
+        return DTensor.from_local(local, mesh, placements, run_check=False,
+                                  shape=p.global_shape, stride=p.global_stride)
+
+    def _spmd_mesh(self, tp_mesh):
+        """The unit's mesh and a tensor-parallel mesh, concatenated (one per tp mesh)."""
+        meshes = self.__dict__.setdefault("_spmd_meshes", {})
+        mesh = meshes.get(id(tp_mesh))
+        if mesh is None:
+            mesh = meshes[id(tp_mesh)] = DeviceMesh._concatenate([self.mesh, tp_mesh])
+        return mesh
 
     def reset_sharded(self):
         """Adopts parameters that replaced ours on the modules (``to_empty``,
@@ -568,7 +635,7 @@ class Unit:
             grads = []
             had = []
             for p in bucket.params:
-                grad = p.unsharded.grad
+                grad = p.unsharded_grad()
                 had.append(grad is not None or unused)
                 if grad is None:
                     grad = torch.zeros(p.shape, dtype=bucket.reduce_dtype, device=self.device)

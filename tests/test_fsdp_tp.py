@@ -1,0 +1,62 @@
+"""fully_shard over tensor-parallel parameters (FSDP + TP on a 2-D mesh).
+
+Layer: 4 ranks, a (dp=2, tp=2) mesh; rank-side code in tests/workers_fsdp_tp.py.  Each block's
+linears are made tensor-parallel with torch's parallelize_module (ColwiseParallel, then
+RowwiseParallel) on mesh["tp"], and a gate between them a Replicate() DTensor there (its
+gradient arrives Shard(0) and is redistributed), then fully_shard shards every block and the
+root over
+mesh["dp"], as torch's tensor-parallel tutorial does.  One launch per implementation: dptc's
+fully_shard and torch's (gloo), each training in float64 against a single-process reference,
+under a float32 param_dtype, and from the meta device (built, made tensor-parallel and
+sharded there, then to_empty and each module's reset_parameters under a seed, as torchtitan
+initialises).
+"""
+
+import pytest
+
+from tests._compare import max_rel
+from tests._launch import run_ranks
+
+LAUNCH_TIMEOUT_S = 180
+# float64: the ranks and the reference differ only by summation order (measured 3e-16).
+FLOAT64_TOLERANCE = 1e-10
+
+_launches = {}
+
+
+def _results(impl):
+    if impl not in _launches:
+        _launches[impl] = run_ranks("tests.workers_fsdp_tp:tp_cases", 4, args={"impl": impl},
+                                    timeout=LAUNCH_TIMEOUT_S, reference=impl == "torch")
+    return _launches[impl]
+
+
+@pytest.mark.parametrize("impl", ["dptc", "torch"])
+def test_tensor_parallel_blocks_match_single_process(impl):
+    """Trained parameters and every step's gradients equal the single process's on the whole
+    batch; torch's run checks the test with the same numbers."""
+    for rank, result in enumerate(_results(impl)):
+        run = result["float64"]
+        assert run["ref_rel"] <= FLOAT64_TOLERANCE, (rank, run["ref_rel"])
+        assert run["grad_rel"] <= FLOAT64_TOLERANCE, (rank, run["grad_rel"])
+
+
+def test_tensor_parallel_layout_and_numbers_are_torchs():
+    """dptc's shards are torch's: the same 2-D placements (the column-parallel weight on
+    (_StridedShard(0, split_factor=2), Shard(0)), the row-parallel one on (Shard(0),
+    Shard(1)), its bias (Shard(0), Replicate()), the plain parameters on (Shard(0),)), the
+    same local shapes (5 rows of a tensor-parallel piece split 3 and 2), the class
+    FSDPBlock, and parameters bit-identical to torch's after training: in float64, under a
+    float32 param_dtype (which moves them 8e-8 from the float64 reference), and initialised
+    on the meta device (DTensor's random initialisation of the same shards)."""
+    for mine, theirs in zip(_results("dptc"), _results("torch")):
+        for run in ("float64", "mixed", "meta"):
+            assert mine[run]["placements"] == theirs[run]["placements"]
+            assert mine[run]["local_shapes"] == theirs[run]["local_shapes"]
+            assert mine[run]["class"] == theirs[run]["class"] == "FSDPBlock"
+            assert max_rel(mine[run]["params"], theirs[run]["params"]) == 0.0, run
+        placements = mine["float64"]["placements"]
+        assert placements["blocks.0.w1.weight"] == ["_S(0, 2)", "S(0)"]
+        assert placements["blocks.0.w2.bias"] == ["S(0)", "R"]
+        assert placements["head.weight"] == ["S(0)"]
+        assert mine["mixed"]["ref_rel"] > 1e-9     # the policy did run in float32

@@ -1,0 +1,156 @@
+"""Rank-side bodies of tests/test_fsdp_tp.py: fully_shard over tensor-parallel parameters.
+
+4 ranks on a (dp=2, tp=2) mesh, as torch's tensor-parallel tutorial builds it: each block's
+two linears are made tensor-parallel on the tp dimension (parallelize_module with
+ColwiseParallel and RowwiseParallel, so their parameters become DTensors on the tp mesh) and a
+gate between them a Replicate() DTensor there, then
+fully_shard shards every block and the root over the dp dimension.  The ranks of one tp group
+see the same rows; the two dp groups see different rows.  Beside it every rank trains a plain
+copy of the model on the whole global batch (the reference).  float64, 3 steps of 2
+accumulated micro-batches and AdamW.
+
+``impl`` picks the fully_shard under test: "dptc" or "torch" (torch.distributed.fsdp on gloo;
+tensor parallelism is torch's own in both).
+"""
+
+import torch
+import torch.nn as nn
+
+__all__ = ["tp_cases"]
+
+SEED = 97
+LR = 1e-3
+STEPS = 3
+MICRO = 2
+ROWS = 4               # per dp group and micro-batch
+WIDTH, HIDDEN = 6, 10  # HIDDEN / tp = 5 rows of w1 per tp rank: 3 and 2 on the 2 dp ranks
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(WIDTH, dtype=torch.float64)
+        self.w1 = nn.Linear(WIDTH, HIDDEN, dtype=torch.float64)
+        self.w2 = nn.Linear(HIDDEN, WIDTH, dtype=torch.float64)
+        # Made a Replicate() DTensor on the tp mesh: its gradient arrives in another placement
+        # (it scales the column-parallel output, which is sharded on its last dim).
+        self.gate = nn.Parameter(1 + 0.1 * torch.randn(HIDDEN, dtype=torch.float64))
+
+    def forward(self, x):
+        return x + self.w2(torch.tanh(self.w1(self.norm(x))) * self.gate)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.head = nn.Linear(WIDTH, 3, dtype=torch.float64)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _max_rel(values, refs):
+    worst = 0.0
+    for value, ref in zip(values, refs):
+        scale = ref.abs().max().item()
+        diff = (value - ref).abs().max().item()
+        worst = max(worst, diff / scale if scale else diff)
+    return worst
+
+
+def _full(tensor):
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def tp_cases(impl):
+    """{"float64": result, "mixed": result}: training in float64, and under
+    MixedPrecisionPolicy(param_dtype=float32, reduce_dtype=float64)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    if impl == "dptc":
+        import dptc as fsdp
+        fsdp.init_process_group()
+    else:
+        import torch.distributed.fsdp as fsdp
+        dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    results = {"float64": _train(fsdp, mesh, mp=False), "mixed": _train(fsdp, mesh, mp=True),
+               "meta": _train(fsdp, mesh, mp=False, meta=True)}
+    if impl == "dptc":
+        fsdp.destroy_process_group()
+    else:
+        dist.destroy_process_group()
+    return results
+
+
+def _train(fsdp, mesh, mp, meta=False):
+    """meta: the model is built on the meta device, made tensor-parallel and sharded there,
+    then materialised with to_empty and loaded with the reference's values through
+    set_model_state_dict (full_state_dict=True), as torchtitan initialises large models."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+    dp_rank = mesh["dp"].get_local_rank()
+    torch.manual_seed(SEED)
+    with torch.device("meta" if meta else "cpu"):
+        model = Net()
+    torch.manual_seed(SEED)
+    ref = Net()
+    for block in model.blocks:
+        parallelize_module(block, mesh["tp"], {"w1": ColwiseParallel(use_local_output=False),
+                                               "w2": RowwiseParallel()})
+        block.gate = nn.Parameter(distribute_tensor(block.gate.detach(), mesh["tp"],
+                                                    [Replicate()]))
+    kwargs = {}
+    if mp:
+        kwargs["mp_policy"] = fsdp.MixedPrecisionPolicy(param_dtype=torch.float32,
+                                                        reduce_dtype=torch.float64)
+    for block in model.blocks:
+        fsdp.fully_shard(block, mesh=mesh["dp"], **kwargs)
+    fsdp.fully_shard(model, mesh=mesh["dp"], **kwargs)
+    if meta:
+        model.to_empty(device="cpu")
+        torch.manual_seed(SEED + 2)
+        with torch.no_grad():
+            for module in model.modules():
+                if isinstance(module, (nn.Linear, nn.LayerNorm)):
+                    module.reset_parameters()
+            for block in model.blocks:
+                block.gate.normal_(1.0, 0.1)
+    names = [name for name, _ in model.named_parameters()]
+    placements = {name: [str(p) for p in param.placements]
+                  for name, param in model.named_parameters()}
+    local_shapes = {name: list(param.to_local().shape)
+                    for name, param in model.named_parameters()}
+    # Parameters on different meshes (2-D for the tensor-parallel ones, the dp mesh for the
+    # others): AdamW one tensor at a time, as DTensor's foreach ops need one mesh.
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, foreach=False)
+    generator = torch.Generator().manual_seed(SEED + 1)
+    grad_rel = 0.0
+    for _ in range(STEPS):
+        for _ in range(MICRO):
+            x = torch.randn(2 * ROWS, WIDTH, dtype=torch.float64, generator=generator)
+            y = torch.randn(2 * ROWS, 3, dtype=torch.float64, generator=generator)
+            mine = slice(dp_rank * ROWS, (dp_rank + 1) * ROWS)
+            (model(x[mine]) - y[mine]).square().mean().div(MICRO).backward()
+            (ref(x) - y).square().mean().div(MICRO).backward()
+        grad_rel = max(grad_rel, _max_rel([_full(p.grad).double() for p in model.parameters()],
+                                          [r.grad for r in ref.parameters()]))
+        opt.step()
+        opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    params = {name: _full(p).detach() for name, p in zip(names, model.parameters())}
+    result = {
+        "ref_rel": _max_rel(list(params.values()), [r.detach() for r in ref.parameters()]),
+        "grad_rel": grad_rel,
+        "params": {name: p.double().flatten().tolist() for name, p in params.items()},
+        "placements": placements,
+        "local_shapes": local_shapes,
+        "class": type(model.blocks[0]).__name__,
+    }
+    return result
