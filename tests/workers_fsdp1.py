@@ -58,6 +58,22 @@ def _full(tensor):
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
+def _backward(wrapped, ref, rank, world, generator):
+    """One step's backward: 2 micro-batches, the first under no_sync(); the reference, if
+    any, on the whole of each."""
+    mine = slice(rank * ROWS, (rank + 1) * ROWS)
+    for micro in range(2):
+        idx = torch.randint(0, 64, (ROWS * world, 9), generator=generator)
+        x, y = idx[:, :-1], idx[:, 1:]
+        if micro == 0:
+            with wrapped.no_sync():
+                (GPT.loss(wrapped(x[mine]), y[mine]) / 2).backward()
+        else:
+            (GPT.loss(wrapped(x[mine]), y[mine]) / 2).backward()
+        if ref is not None:
+            (GPT.loss(ref(x), y) / 2).backward()
+
+
 def _train(impl, wrapped, ref, rank, world, steps=STEPS, opt=None, generator=None,
            ref_opt=None):
     import torch.distributed as dist
@@ -65,19 +81,9 @@ def _train(impl, wrapped, ref, rank, world, steps=STEPS, opt=None, generator=Non
     if ref is not None and ref_opt is None:
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
     generator = generator or torch.Generator().manual_seed(SEED)
-    mine = slice(rank * ROWS, (rank + 1) * ROWS)
     norms = []
     for _ in range(steps):
-        for micro in range(2):
-            idx = torch.randint(0, 64, (ROWS * world, 9), generator=generator)
-            x, y = idx[:, :-1], idx[:, 1:]
-            if micro == 0:
-                with wrapped.no_sync():
-                    (GPT.loss(wrapped(x[mine]), y[mine]) / 2).backward()
-            else:
-                (GPT.loss(wrapped(x[mine]), y[mine]) / 2).backward()
-            if ref is not None:
-                (GPT.loss(ref(x), y) / 2).backward()
+        _backward(wrapped, ref, rank, world, generator)
         norms.append(float(wrapped.clip_grad_norm_(1.0)))
         opt.step()
         opt.zero_grad()
@@ -89,13 +95,89 @@ def _train(impl, wrapped, ref, rank, world, steps=STEPS, opt=None, generator=Non
     return opt, norms
 
 
-def strategy_cases(impl, strategies, mp_strategies=()):
+def _torch_full_grads(wrapped, world):
+    """The full gradients of torch's FSDP1 (use_orig_params) in wrapped.parameters() order,
+    assembled from every rank's flattened pieces at the offsets its handles record: its own
+    summon_full_params(with_grads=True) fails under keep_low_precision_grads (it assigns the
+    bfloat16 gradient to the float32 flat parameter)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    where = {}
+    for module in FSDP.fsdp_modules(wrapped):
+        if module._handle is None:
+            continue
+        flat = module._handle.flat_param
+        for param, info, shape in zip(flat._params, flat._shard_param_infos, flat._shapes):
+            where[id(param)] = (info.intra_param_start_idx if info.in_shard else None,
+                                shape.numel())
+    pieces = []
+    for i, p in enumerate(wrapped.parameters()):
+        start, _ = where[id(p)]
+        if start is not None and p.grad is not None:
+            pieces.append((i, start, p.grad.double().flatten().tolist()))
+    everyone = [None] * world
+    dist.all_gather_object(everyone, pieces)
+    grads = [[None] * where[id(p)][1] for p in wrapped.parameters()]
+    for i, start, values in (piece for rank_pieces in everyone for piece in rank_pieces):
+        grads[i][start:start + len(values)] = values
+    assert all(v is not None for g in grads for v in g), "a gradient element no rank holds"
+    return grads
+
+
+def _low_precision_grads(impl, rank, world, tied, keep=True):
+    """FULL_SHARD under MixedPrecision(bf16, fp32 reduce, keep_low_precision_grads=keep) on
+    the float32 GPT, its embedding and head weights tied or not: per step the gradients'
+    dtypes and full values after backward (a no_sync micro-batch, then a synced one; the
+    second step's backward without zero_grad before it, so it accumulates into the kept
+    gradients), each followed by SGD (AdamW refuses bfloat16 gradients on float32
+    parameters); then the trained parameters."""
+    api, FSDP = _api(impl)
+    policy = api.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                keep_low_precision_grads=keep)
+    model = build(n_layer=2).float()
+    if not tied:
+        model.head.weight = torch.nn.Parameter(model.head.weight.detach().clone())
+    wrapped = FSDP(model, sharding_strategy=api.ShardingStrategy.FULL_SHARD,
+                   auto_wrap_policy=functools.partial(_policy(impl),
+                                                      transformer_layer_cls={Block}),
+                   device_id="cpu", use_orig_params=True, mixed_precision=policy)
+    opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(SEED)
+    steps = []
+    for _ in range(2):
+        _backward(wrapped, None, rank, world, generator)
+        dtypes = sorted({str(p.grad.dtype) for p in wrapped.parameters() if p.grad is not None})
+        if impl == "torch" and keep:
+            grads = _torch_full_grads(wrapped, world)
+        else:
+            with FSDP.summon_full_params(wrapped, writeback=False, with_grads=True):
+                grads = [p.grad.double().flatten().tolist() for p in wrapped.parameters()]
+        steps.append({"dtypes": dtypes, "grads": grads})
+        opt.step()
+    opt.zero_grad()
+    with FSDP.summon_full_params(wrapped, writeback=False):
+        params = [p.detach().double().flatten().tolist() for p in wrapped.parameters()]
+    return {"steps": steps, "params": params}
+
+
+def strategy_cases(impl, strategies, mp_strategies=(), low_precision_grads=False):
     """Per strategy: the parameters' names, the FSDP instances, the parameters after training
-    against the reference (or, for mp_strategies, the trained parameters themselves)."""
+    against the reference (or, for mp_strategies, the trained parameters themselves); with
+    low_precision_grads, also "low_precision_grads": see _low_precision_grads."""
     import torch.distributed as dist
     _api(impl)
     rank, world = dist.get_rank(), dist.get_world_size()
     out = {}
+    # torch 2.13's FSDP1 fails to keep low-precision gradients of tied parameters under
+    # use_orig_params ("attempting to assign a gradient with dtype BFloat16 to a tensor with
+    # grad_dtype Float"): its tied run keeps them in float32 instead, for comparison.
+    runs = {"low_precision_grads": dict(tied=False),
+            "low_precision_grads_tied": dict(tied=True, keep=impl == "dptc")}
+    for name, kwargs in runs.items() if low_precision_grads else ():
+        try:
+            out[name] = {"ok": True, **_low_precision_grads(impl, rank, world, **kwargs)}
+        except Exception:  # noqa: BLE001 - reported to the test
+            out[name] = {"ok": False, "error": traceback.format_exc()}
     for strategy in list(strategies) + [f"{s}+bf16" for s in mp_strategies]:
         try:
             mp = strategy.endswith("+bf16")

@@ -146,10 +146,6 @@ def _set_prefetch(state, backward_prefetch, forward_prefetch):
 def _policy_of(mixed_precision, root):
     if mixed_precision is None:
         return MixedPrecisionPolicy()
-    if mixed_precision.keep_low_precision_grads:
-        raise NotImplementedError("MixedPrecision(keep_low_precision_grads=True) is not "
-                                  "implemented by dptc: gradients reach the optimizer in the "
-                                  "parameters' own dtype")
     cast = mixed_precision.cast_root_forward_inputs if root else \
         mixed_precision.cast_forward_inputs
     return MixedPrecisionPolicy(param_dtype=mixed_precision.param_dtype,
@@ -230,6 +226,9 @@ class FullyShardedDataParallel(nn.Module):
         # wrapper between this instance and the module it shards.
         state = self.__dict__["_fsdp_state"] = module.__dict__["_dptc_fsdp_state"]
         _set_prefetch(state, backward_prefetch, forward_prefetch)
+        if state.unit is not None and mixed_precision is not None and \
+                mixed_precision.keep_low_precision_grads:
+            state.unit.keep_low_precision_grads = True
         self._register_state_dict_hook(FullyShardedDataParallel._post_state_dict)
         self._register_load_state_dict_pre_hook(FullyShardedDataParallel._pre_load_state_dict,
                                                 with_module=True)

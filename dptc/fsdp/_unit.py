@@ -324,6 +324,8 @@ class Unit:
         self.label = "unit"              # its name in profiler ranges, see set_label
         # reshard_after_forward as an int: the smaller group backward gathers over, or None.
         self.post_forward_group = None
+        # FSDP1's MixedPrecision(keep_low_precision_grads=True), see _keep_low_precision.
+        self.keep_low_precision_grads = False
         originals = {id(p): param for p, (param, _) in zip(self.params, params_and_locations)}
         for bucket in self.buckets:
             self._shard(bucket, originals)
@@ -559,8 +561,12 @@ class Unit:
         for p in self.params:
             full = p.sharded.full_tensor().detach()
             p.summoned = nn.Parameter(full, requires_grad=p.sharded.requires_grad)
-            if with_grads and p.sharded.grad is not None:
-                p.summoned.grad = p.sharded.grad.full_tensor()
+            grad = p.sharded.grad if with_grads else None
+            if grad is not None and grad.dtype != full.dtype:   # keep_low_precision_grads
+                p.summoned.grad = torch.empty_like(full)
+                p.summoned.grad.data = grad.full_tensor()
+            elif grad is not None:
+                p.summoned.grad = grad.full_tensor()
             p.register(p.summoned)
 
     def unsummon(self, writeback):
@@ -697,6 +703,23 @@ class Unit:
             hook(output)
         current.wait_stream(stream)
 
+    def _keep_low_precision(self, p, dtype):
+        """FSDP1's keep_low_precision_grads: the sharded gradient, accumulated in the
+        parameter's dtype, is left in the compute dtype (param_dtype) for the optimizer, as
+        torch's FSDP1 leaves it.  A later backward accumulates into it in the parameter's
+        dtype again (finish_reduce)."""
+        grad = p.sharded.grad
+        if grad.dtype != dtype:
+            self._set_grad_local(p, grad._local_tensor.to(dtype))
+
+    def _set_grad_local(self, p, local):
+        """Makes p.sharded.grad hold `local` in its dtype, which may differ from the
+        parameter's: through .data, as .grad must otherwise match the parameter's dtype, and
+        through _local_tensor too, which DTensor's .data leaves in place."""
+        grad = p.sharded.grad
+        grad.data = self._dtensor(local, p)
+        grad._local_tensor = local
+
     def _replicate_stream(self):
         return 1 if self.replicate_group.num_streams > 1 else 0
 
@@ -734,7 +757,12 @@ class Unit:
                 local = p.local_view(output)
                 if local.dtype != p.orig_dtype:
                     local = local.to(p.orig_dtype)
-                if p.sharded.grad is None:
+                grad = p.sharded.grad
+                if grad is None:
                     p.sharded.grad = self._dtensor(local, p)
+                elif grad.dtype != p.orig_dtype:     # kept in low precision last time
+                    self._set_grad_local(p, grad._local_tensor.to(p.orig_dtype) + local)
                 else:
-                    p.sharded.grad._local_tensor.add_(local)
+                    grad._local_tensor.add_(local)
+                if self.keep_low_precision_grads:
+                    self._keep_low_precision(p, bucket.compute_dtype)
