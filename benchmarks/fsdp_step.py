@@ -85,8 +85,9 @@ def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", "--nproc", dest="ranks", type=int, default=2,
                         help="ranks to start when not already under torchrun (default 2)")
-    parser.add_argument("--impls", default=",".join(IMPLS),
-                        help=f"comma-separated subset of {','.join(IMPLS)}")
+    parser.add_argument("--impls", default=None,
+                        help=f"comma-separated subset of {','.join(IMPLS)} (default: all, "
+                             f"without dptc-ddp under --tp)")
     parser.add_argument("--mp", default="none", choices=("none", "bf16"),
                         help="bf16: MixedPrecisionPolicy(param_dtype=bfloat16, "
                              "reduce_dtype=float32) on both fully_shards (DDP stays fp32)")
@@ -98,6 +99,11 @@ def parse_args(argv):
                              "(K a divisor of --ranks: after forward a rank keeps 1/K of a "
                              "block, and backward gathers over blocks of K ranks); default: "
                              "fully_shard's default, True for the blocks")
+    parser.add_argument("--tp", type=int, default=1, metavar="T",
+                        help="tensor parallelism of degree T inside each block's MLP on both "
+                             "fully_shards (a (ranks/T, T) mesh; the MLP's linears "
+                             "ColwiseParallel and RowwiseParallel on mesh['tp'], torch's own, "
+                             "then fully_shard on mesh['dp']); timing only, without dptc DDP")
     parser.add_argument("--vocab", type=int, default=512)
     parser.add_argument("--d-model", type=int, default=256)
     parser.add_argument("--layers", "--n-layer", dest="layers", type=int, default=4)
@@ -127,6 +133,8 @@ def parse_args(argv):
                         help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.impls is None:
+        args.impls = ",".join(i for i in IMPLS if args.tp == 1 or i != "dptc-ddp")
     args.impls = [i.strip() for i in args.impls.split(",") if i.strip()]
     for impl in args.impls:
         if impl not in IMPLS:
@@ -136,6 +144,13 @@ def parse_args(argv):
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.warmup < 0:
         parser.error("--warmup must be >= 0")
+    ranks = int(os.environ.get("WORLD_SIZE", args.ranks))   # under torchrun: its ranks
+    if args.tp < 1 or ranks % args.tp:
+        parser.error(f"--tp must be >= 1 and divide the {ranks} ranks, got {args.tp}")
+    if args.tp > 1:
+        if "dptc-ddp" in args.impls:
+            parser.error("--tp runs the fully_shards only: pass --impls dptc-fsdp,torch-fsdp")
+        args.no_memory = True     # the memory theory shards over every rank
     return args
 
 
@@ -172,6 +187,14 @@ def wrap(impl, model, args):
     kwargs = {} if policy is None else {"mp_policy": policy}
     if args.shard_last:
         kwargs["shard_placement_fn"] = shard_last
+    if args.tp > 1:
+        mesh = tp_mesh(args)
+        kwargs["mesh"] = mesh["dp"]
+        from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                       parallelize_module)
+        for block in model.blocks:
+            parallelize_module(block.mlp, mesh["tp"], {"0": ColwiseParallel(),
+                                                       "2": RowwiseParallel()})
     block_kwargs = dict(kwargs)
     if args.reshard_after_forward is not None:
         block_kwargs["reshard_after_forward"] = args.reshard_after_forward
@@ -179,6 +202,18 @@ def wrap(impl, model, args):
         shard(block, **block_kwargs)
     shard(model, **kwargs)
     return model
+
+
+_tp_mesh = []
+
+
+def tp_mesh(args):
+    """--tp: the (dp, tp) mesh, made once (a collective)."""
+    if not _tp_mesh:
+        from torch.distributed.device_mesh import init_device_mesh
+        _tp_mesh.append(init_device_mesh("cpu", (dist.get_world_size() // args.tp, args.tp),
+                                         mesh_dim_names=("dp", "tp")))
+    return _tp_mesh[0]
 
 
 def shard_last(param):
@@ -214,7 +249,8 @@ def theory(model, nranks, args):
 
 
 def batch(args, rank):
-    generator = torch.Generator().manual_seed(args.seed * 1000 + rank)
+    """This rank's batch; with --tp the ranks of one tp group share theirs."""
+    generator = torch.Generator().manual_seed(args.seed * 1000 + rank // args.tp)
     inputs = torch.randint(args.vocab, (args.batch, args.ctx), generator=generator)
     targets = torch.randint(args.vocab, (args.batch, args.ctx), generator=generator)
     return inputs, targets
@@ -608,6 +644,7 @@ def header(args, th, nranks, torch_version, omp):
     print(f"# fsdp_step: {nranks} ranks, torch {torch_version}, OMP_NUM_THREADS={omp}, "
           f"mp {args.mp}{', matrices on Shard(-1)' if args.shard_last else ''}"
           f"{f', blocks reshard_after_forward={reshard}' if reshard is not None else ''}"
+          f"{f', tensor-parallel MLPs (tp={args.tp})' if args.tp > 1 else ''}"
           f"{', every block compiled' if args.compile else ''}")
     print(f"# model: examples/gpt.py build_gpt(vocab={args.vocab}, d_model={args.d_model}, "
           f"n_layer={args.layers}, n_head={args.n_head}, ctx={args.ctx}), "
