@@ -4,12 +4,12 @@ Layer: 4 ranks, a (dp=2, tp=2) mesh; rank-side code in tests/workers_fsdp_tp.py.
 linears are made tensor-parallel with torch's parallelize_module (ColwiseParallel, then
 RowwiseParallel) on mesh["tp"], and a gate between them a Replicate() DTensor there (its
 gradient arrives Shard(0) and is redistributed), then fully_shard shards every block and the
-root over
-mesh["dp"], as torch's tensor-parallel tutorial does.  One launch per implementation: dptc's
+root over mesh["dp"], as torch's tensor-parallel tutorial does.  One launch per implementation: dptc's
 fully_shard and torch's (gloo), each training in float64 against a single-process reference,
 under a float32 param_dtype, and from the meta device (built, made tensor-parallel and
 sharded there, then to_empty and each module's reset_parameters under a seed, as torchtitan
-initialises).
+initialises), and as HSDP + TP: the same blocks sharded over a (replicate=2, shard=1) mesh of a
+(2, 1, 2) one, the dp ranks replicating, as across nodes.
 """
 
 import pytest
@@ -36,9 +36,10 @@ def test_tensor_parallel_blocks_match_single_process(impl):
     """Trained parameters and every step's gradients equal the single process's on the whole
     batch; torch's run checks the test with the same numbers."""
     for rank, result in enumerate(_results(impl)):
-        run = result["float64"]
-        assert run["ref_rel"] <= FLOAT64_TOLERANCE, (rank, run["ref_rel"])
-        assert run["grad_rel"] <= FLOAT64_TOLERANCE, (rank, run["grad_rel"])
+        for name in ("float64", "hsdp"):
+            run = result[name]
+            assert run["ref_rel"] <= FLOAT64_TOLERANCE, (rank, name, run["ref_rel"])
+            assert run["grad_rel"] <= FLOAT64_TOLERANCE, (rank, name, run["grad_rel"])
 
 
 def test_tensor_parallel_layout_and_numbers_are_torchs():
@@ -47,10 +48,11 @@ def test_tensor_parallel_layout_and_numbers_are_torchs():
     Shard(1)), its bias (Shard(0), Replicate()), the plain parameters on (Shard(0),)), the
     same local shapes (5 rows of a tensor-parallel piece split 3 and 2), the class
     FSDPBlock, and parameters bit-identical to torch's after training: in float64, under a
-    float32 param_dtype (which moves them 8e-8 from the float64 reference), and initialised
-    on the meta device (DTensor's random initialisation of the same shards)."""
+    float32 param_dtype (which moves them 8e-8 from the float64 reference), initialised
+    on the meta device (DTensor's random initialisation of the same shards), and as HSDP on
+    a 3-D mesh (Replicate() first)."""
     for mine, theirs in zip(_results("dptc"), _results("torch")):
-        for run in ("float64", "mixed", "meta"):
+        for run in ("float64", "mixed", "meta", "hsdp"):
             assert mine[run]["placements"] == theirs[run]["placements"]
             assert mine[run]["local_shapes"] == theirs[run]["local_shapes"]
             assert mine[run]["class"] == theirs[run]["class"] == "FSDPBlock"
@@ -59,4 +61,7 @@ def test_tensor_parallel_layout_and_numbers_are_torchs():
         assert placements["blocks.0.w1.weight"] == ["_S(0, 2)", "S(0)"]
         assert placements["blocks.0.w2.bias"] == ["S(0)", "R"]
         assert placements["head.weight"] == ["S(0)"]
+        hybrid = mine["hsdp"]["placements"]   # HSDP puts Replicate() first, as torch's
+        assert hybrid["blocks.0.w1.weight"] == ["R", "_S(0, 2)", "S(0)"]
+        assert hybrid["head.weight"] == ["R", "S(0)"]
         assert mine["mixed"]["ref_rel"] > 1e-9     # the policy did run in float32

@@ -66,8 +66,9 @@ def _full(tensor):
 
 
 def tp_cases(impl):
-    """{"float64": result, "mixed": result}: training in float64, and under
-    MixedPrecisionPolicy(param_dtype=float32, reduce_dtype=float64)."""
+    """{"float64", "mixed", "meta", "hsdp": result}: training in float64, under
+    MixedPrecisionPolicy(param_dtype=float32, reduce_dtype=float64), initialised on the meta
+    device, and as HSDP (a (replicate=2, shard=1, tp=2) mesh) in float64."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     if impl == "dptc":
@@ -77,8 +78,14 @@ def tp_cases(impl):
         import torch.distributed.fsdp as fsdp
         dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    results = {"float64": _train(fsdp, mesh, mp=False), "mixed": _train(fsdp, mesh, mp=True),
-               "meta": _train(fsdp, mesh, mp=False, meta=True)}
+    plain = (mesh["dp"], mesh["tp"], mesh["dp"].get_local_rank())
+    # HSDP + TP: the dp ranks replicate (a shard group of one each), as across nodes.
+    mesh3 = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("replicate", "shard", "tp"))
+    hybrid = (mesh3["replicate", "shard"], mesh3["tp"], mesh3["replicate"].get_local_rank())
+    results = {"float64": _train(fsdp, *plain, mp=False),
+               "mixed": _train(fsdp, *plain, mp=True),
+               "meta": _train(fsdp, *plain, mp=False, meta=True),
+               "hsdp": _train(fsdp, *hybrid, mp=False)}
     if impl == "dptc":
         fsdp.destroy_process_group()
     else:
@@ -86,31 +93,31 @@ def tp_cases(impl):
     return results
 
 
-def _train(fsdp, mesh, mp, meta=False):
-    """meta: the model is built on the meta device, made tensor-parallel and sharded there,
-    then materialised with to_empty and loaded with the reference's values through
-    set_model_state_dict (full_state_dict=True), as torchtitan initialises large models."""
+def _train(fsdp, dp_mesh, tp_mesh, dp_rank, mp, meta=False):
+    """fully_shard over dp_mesh (1-D, or 2-D for HSDP), tensor parallelism on tp_mesh; the
+    rank's rows are its dp_rank's.  meta: the model is built on the meta device, made
+    tensor-parallel and sharded there, then materialised with to_empty and each module's
+    reset_parameters under a seed, as torchtitan initialises large models."""
     from torch.distributed.tensor import Replicate, distribute_tensor
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                    parallelize_module)
-    dp_rank = mesh["dp"].get_local_rank()
     torch.manual_seed(SEED)
     with torch.device("meta" if meta else "cpu"):
         model = Net()
     torch.manual_seed(SEED)
     ref = Net()
     for block in model.blocks:
-        parallelize_module(block, mesh["tp"], {"w1": ColwiseParallel(use_local_output=False),
-                                               "w2": RowwiseParallel()})
-        block.gate = nn.Parameter(distribute_tensor(block.gate.detach(), mesh["tp"],
+        parallelize_module(block, tp_mesh, {"w1": ColwiseParallel(use_local_output=False),
+                                            "w2": RowwiseParallel()})
+        block.gate = nn.Parameter(distribute_tensor(block.gate.detach(), tp_mesh,
                                                     [Replicate()]))
     kwargs = {}
     if mp:
         kwargs["mp_policy"] = fsdp.MixedPrecisionPolicy(param_dtype=torch.float32,
                                                         reduce_dtype=torch.float64)
     for block in model.blocks:
-        fsdp.fully_shard(block, mesh=mesh["dp"], **kwargs)
-    fsdp.fully_shard(model, mesh=mesh["dp"], **kwargs)
+        fsdp.fully_shard(block, mesh=dp_mesh, **kwargs)
+    fsdp.fully_shard(model, mesh=dp_mesh, **kwargs)
     if meta:
         model.to_empty(device="cpu")
         torch.manual_seed(SEED + 2)
