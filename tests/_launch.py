@@ -10,7 +10,10 @@ command line).  Both promise the same hygiene, whatever happens:
 - no /dev/shm/dptc* entry may outlive the run; leftovers are removed, then reported as a failure,
   so one leaking test does not poison the tests after it.
 
-The rank-side half lives in tests/_rank.py.  Segments of runs that go on concurrently on the same
+The rank-side half lives in tests/_rank.py.  Rank processes are forked from tests/_zygote.py,
+which imported torch once, when their environment differs from the harness's only in variables
+read at run time (see _Zygote.forkable); otherwise, and with DPTC_TEST_ZYGOTE=0, each is a
+fresh `python -m tests._rank`.  Segments of runs that go on concurrently on the same
 machine are told apart from leaks by being mapped or short-lived (see _remove_new_shm); still,
 run the suite serially (no pytest-xdist).
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import shutil
 import signal
 import socket
@@ -208,6 +212,113 @@ def _proc_stat(pid: int, with_state: bool = False):
     return int(fields[1]), int(fields[19])
 
 
+class _Zygote:
+    """The client of tests/_zygote.py: rank processes forked from one that imported torch.
+
+    Started on first use, with the harness's base environment; it lives as long as this
+    process (its request pipe closes at exit).  DPTC_TEST_ZYGOTE=0 turns it off."""
+
+    _instance = None
+    _failed = False
+
+    @classmethod
+    def get(cls):
+        if cls._instance is None and not cls._failed:
+            if os.environ.get("DPTC_TEST_ZYGOTE", "1") == "0":
+                cls._failed = True
+                return None
+            try:
+                cls._instance = cls()
+            except (OSError, RuntimeError):
+                cls._failed = True
+        return cls._instance
+
+    def __init__(self):
+        request_read, self._request = os.pipe()
+        self._reply, reply_write = os.pipe()
+        self.env = _base_env()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests._zygote", str(request_read), str(reply_write)],
+            cwd=REPO_ROOT, env=self.env, stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL, pass_fds=(request_read, reply_write),
+            start_new_session=True)
+        os.close(request_read)
+        os.close(reply_write)
+        self._buffer = b""
+        self._started = []
+        self.exits = {}
+        if self._next_line(timeout=60) != "ready":
+            self.proc.kill()
+            raise RuntimeError("the test zygote did not start")
+
+    def forkable(self, env: dict) -> bool:
+        """Whether `env` differs from the zygote's only in what is read after the imports."""
+        changed = {key for key in env.keys() | self.env.keys()
+                   if env.get(key) != self.env.get(key)}
+        return self.proc.poll() is None and all(
+            key in _LAUNCH_VARIABLES or key.startswith(("DPTC_", "TORCHELASTIC_"))
+            for key in changed)
+
+    def spawn(self, argv, env, cwd, stdout, stderr) -> int:
+        job = {"argv": argv, "env": env, "cwd": str(cwd), "stdout": str(stdout),
+               "stderr": str(stderr)}
+        os.write(self._request, (json.dumps(job) + "\n").encode())
+        while not self._started:
+            if self._next_line(timeout=30) is None:
+                raise RuntimeError("the test zygote did not fork")
+        return self._started.pop(0)
+
+    def poll(self):
+        """Takes in what the zygote reported so far, without waiting."""
+        self._next_line(timeout=0)
+
+    def _next_line(self, timeout):
+        """Reads replies until one line other than an exit or start is complete, or the time
+        runs out; exits and starts are recorded on the way.  Returns that line or None."""
+        deadline = time.monotonic() + timeout
+        while True:
+            while b"\n" in self._buffer:
+                line, self._buffer = self._buffer.split(b"\n", 1)
+                word, *rest = line.decode().split()
+                if word == "exit":
+                    self.exits[int(rest[0])] = int(rest[1])
+                elif word == "started":
+                    self._started.append(int(rest[0]))
+                    return line.decode()
+                else:
+                    return line.decode()
+            left = deadline - time.monotonic()
+            if not select.select([self._reply], [], [], max(0.0, left))[0]:
+                return None
+            chunk = os.read(self._reply, 65536)
+            if not chunk:
+                return None
+            self._buffer += chunk
+
+
+class _ForkedRank:
+    """What the harness uses of a subprocess.Popen, for a rank the zygote forked."""
+
+    def __init__(self, zygote, pid):
+        self._zygote = zygote
+        self.pid = pid
+        self.returncode = None
+
+    def poll(self):
+        if self.returncode is None:
+            self._zygote.poll()
+            self.returncode = self._zygote.exits.pop(self.pid, None)
+        return self.returncode
+
+    def wait(self, timeout=None):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(f"rank {self.pid}", timeout)
+            time.sleep(0.005)
+        return self.returncode
+
+
 class _ProcessTree:
     """The processes a run started, and every process they started in turn.
 
@@ -227,6 +338,26 @@ class _ProcessTree:
         if stat is not None:
             self._known[proc.pid] = stat[1]
         return proc
+
+    def start_rank(self, argv, env, stdout, stderr):
+        """A rank process: forked by the zygote where its environment allows, else started
+        as `python <argv...>`."""
+        zygote = _Zygote.get()
+        if zygote is not None and argv[0] == "-m" and zygote.forkable(env):
+            try:
+                proc = _ForkedRank(zygote, zygote.spawn(argv[1:], env, REPO_ROOT, stdout,
+                                                        stderr))
+            except (OSError, RuntimeError):
+                _Zygote._instance, _Zygote._failed = None, True
+            else:
+                self.roots.append(proc)
+                stat = _proc_stat(proc.pid)
+                if stat is not None:
+                    self._known[proc.pid] = stat[1]
+                return proc
+        with open(stdout, "wb") as out, open(stderr, "wb") as err:
+            return self.start([sys.executable, *argv], cwd=REPO_ROOT,
+                              stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env)
 
     def refresh(self):
         """Records the current descendants of every process seen so far."""
@@ -422,12 +553,10 @@ def _run_ranks_once(target, world_size, args_json, timeout, nnodes, env, expect_
         started = time.monotonic()
         for rank in range(world_size):
             result_path = workdir / f"result-{rank}.json"
-            with open(workdir / f"stdout-{rank}.txt", "wb") as out, \
-                    open(workdir / f"stderr-{rank}.txt", "wb") as err:
-                tree.start(
-                    [sys.executable, "-m", "tests._rank", target, args_json, str(result_path)],
-                    cwd=REPO_ROOT, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                    env=rank_env(rank, world_size, nnodes=nnodes, master_port=port, env=env))
+            tree.start_rank(["-m", "tests._rank", target, args_json, str(result_path)],
+                            rank_env(rank, world_size, nnodes=nnodes, master_port=port,
+                                     env=env),
+                            workdir / f"stdout-{rank}.txt", workdir / f"stderr-{rank}.txt")
         timed_out, _ = _supervise(tree, started + timeout,
                                   None if expect_failure else FAILURE_GRACE_S)
         wall = time.monotonic() - started

@@ -1,0 +1,107 @@
+"""Rank processes forked from one that has already imported torch (see tests/_launch.py).
+
+    python -m tests._zygote <request fd> <reply fd>
+
+Importing torch takes each rank process about 1.5 s of CPU; a test launch of 4 ranks on this
+machine's 2 cores spends 3 s on it before any rank does its work.  This process imports torch
+once, then forks one child per request, and the child becomes the rank process that
+`python -m tests._rank ...` would have been: its own session, the requested environment,
+working directory, stdin (/dev/null), stdout and stderr files, and sys.argv; the rank module
+itself is imported fresh in the child, which exits through the interpreter's normal shutdown.
+
+Only environments the imports cannot have seen differently are forked (the harness decides,
+see _launch._forkable): the launch variables, DPTC_* and TORCHELASTIC_*, which are read at run
+time.  Anything else, a different OMP_NUM_THREADS or LD_PRELOAD for instance, gets a real exec.
+
+Requests are JSON lines on <request fd>:
+    {"argv": [...], "env": {...}, "cwd": path, "stdout": path, "stderr": path}
+Replies on <reply fd>, one line each: "ready" first (or "unsafe: ..." if the imports left
+another thread running, and the process exits), "started <pid>" for every request, in order, and
+"exit <pid> <code>" when a child ends (the code as subprocess reports it: negative for a
+signal).  The process exits when the request pipe closes.
+"""
+
+import json
+import os
+import runpy
+import select
+import sys
+
+# The point: imported once, before the forks (what the workers import, dynamo aside).
+import torch  # noqa: F401
+import torch.distributed  # noqa: F401
+import torch.distributed.checkpoint  # noqa: F401
+import torch.distributed.fsdp  # noqa: F401
+import torch.distributed.tensor.parallel  # noqa: F401
+import torch.nn  # noqa: F401
+
+POLL_S = 0.005
+
+
+def _reap(reply):
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        os.write(reply, f"exit {pid} {os.waitstatus_to_exitcode(status)}\n".encode())
+
+
+def _become(job, request, reply):
+    """In the forked child: the rank process's session, files and environment."""
+    os.close(request)
+    os.close(reply)
+    os.setsid()
+    stdin = os.open(os.devnull, os.O_RDONLY)
+    stdout = os.open(job["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    stderr = os.open(job["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    for fd, target in ((stdin, 0), (stdout, 1), (stderr, 2)):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.chdir(job["cwd"])
+    os.environ.clear()
+    os.environ.update(job["env"])
+
+
+def serve(request, reply):
+    """Forks a child per request; returns only in a child, with its job."""
+    pending = b""
+    # A fork copies only the calling thread: with another one (a BLAS pool started by an
+    # import), a lock it held would stay held in every child.  The harness then execs.
+    threads = len(os.listdir("/proc/self/task"))
+    if threads != 1:
+        os.write(reply, f"unsafe: {threads} threads\n".encode())
+        os._exit(0)
+    os.write(reply, b"ready\n")
+    while True:
+        readable, _, _ = select.select([request], [], [], POLL_S)
+        _reap(reply)
+        if not readable:
+            continue
+        chunk = os.read(request, 65536)
+        if not chunk:
+            os._exit(0)   # the harness is gone; its ranks are its to kill
+        pending += chunk
+        while b"\n" in pending:
+            line, pending = pending.split(b"\n", 1)
+            job = json.loads(line)
+            pid = os.fork()
+            if pid == 0:
+                _become(job, request, reply)
+                return job
+            os.write(reply, f"started {pid}\n".encode())
+
+
+def main():
+    request, reply = int(sys.argv[1]), int(sys.argv[2])
+    job = serve(request, reply)
+    # The rank process proper: `python -m <module> <args...>`, exiting as that would.
+    module, args = job["argv"][0], job["argv"][1:]
+    sys.argv = [module] + args
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    main()
