@@ -65,3 +65,13 @@ def test_tensor_parallel_layout_and_numbers_are_torchs():
         assert hybrid["blocks.0.w1.weight"] == ["R", "_S(0, 2)", "S(0)"]
         assert hybrid["head.weight"] == ["R", "S(0)"]
         assert mine["mixed"]["ref_rel"] > 1e-9     # the policy did run in float32
+
+
+def test_fsdp1_over_tensor_parallel_blocks():
+    """FSDP1's FullyShardedDataParallel(device_mesh=mesh["dp"], use_orig_params=True), a
+    block per instance, over the same tensor-parallel blocks: the trained full parameters
+    equal the single process's in float64, and torch's FSDP1 bit for bit."""
+    for rank, (mine, theirs) in enumerate(zip(_results("dptc"), _results("torch"))):
+        for run in (mine["fsdp1"], theirs["fsdp1"]):
+            assert run["ref_rel"] <= FLOAT64_TOLERANCE, (rank, run["ref_rel"])
+        assert max_rel(mine["fsdp1"]["params"], theirs["fsdp1"]["params"]) == 0.0, rank

@@ -66,16 +66,19 @@ def _full(tensor):
 
 
 def tp_cases(impl):
-    """{"float64", "mixed", "meta", "hsdp": result}: training in float64, under
-    MixedPrecisionPolicy(param_dtype=float32, reduce_dtype=float64), initialised on the meta
-    device, and as HSDP (a (replicate=2, shard=1, tp=2) mesh) in float64."""
+    """{"float64", "mixed", "meta", "hsdp", "fsdp1": result}: fully_shard training in
+    float64, under MixedPrecisionPolicy(param_dtype=float32, reduce_dtype=float64),
+    initialised on the meta device, and as HSDP (a (replicate=2, shard=1, tp=2) mesh) in
+    float64; then FSDP1's FullyShardedDataParallel over the (dp, tp) mesh's dp dim."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     if impl == "dptc":
         import dptc as fsdp
+        from dptc import ModuleWrapPolicy
         fsdp.init_process_group()
     else:
         import torch.distributed.fsdp as fsdp
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
         dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     plain = (mesh["dp"], mesh["tp"], mesh["dp"].get_local_rank())
@@ -85,7 +88,8 @@ def tp_cases(impl):
     results = {"float64": _train(fsdp, *plain, mp=False),
                "mixed": _train(fsdp, *plain, mp=True),
                "meta": _train(fsdp, *plain, mp=False, meta=True),
-               "hsdp": _train(fsdp, *hybrid, mp=False)}
+               "hsdp": _train(fsdp, *hybrid, mp=False),
+               "fsdp1": _train_fsdp1(fsdp.FullyShardedDataParallel, ModuleWrapPolicy, *plain)}
     if impl == "dptc":
         fsdp.destroy_process_group()
     else:
@@ -93,11 +97,9 @@ def tp_cases(impl):
     return results
 
 
-def _train(fsdp, dp_mesh, tp_mesh, dp_rank, mp, meta=False):
-    """fully_shard over dp_mesh (1-D, or 2-D for HSDP), tensor parallelism on tp_mesh; the
-    rank's rows are its dp_rank's.  meta: the model is built on the meta device, made
-    tensor-parallel and sharded there, then materialised with to_empty and each module's
-    reset_parameters under a seed, as torchtitan initialises large models."""
+def _tensor_parallel(tp_mesh, meta=False):
+    """The model, its blocks made tensor-parallel on tp_mesh (on the meta device if asked),
+    and the plain reference with the same values."""
     from torch.distributed.tensor import Replicate, distribute_tensor
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                    parallelize_module)
@@ -111,6 +113,15 @@ def _train(fsdp, dp_mesh, tp_mesh, dp_rank, mp, meta=False):
                                             "w2": RowwiseParallel()})
         block.gate = nn.Parameter(distribute_tensor(block.gate.detach(), tp_mesh,
                                                     [Replicate()]))
+    return model, ref
+
+
+def _train(fsdp, dp_mesh, tp_mesh, dp_rank, mp, meta=False):
+    """fully_shard over dp_mesh (1-D, or 2-D for HSDP), tensor parallelism on tp_mesh; the
+    rank's rows are its dp_rank's.  meta: the model is built on the meta device, made
+    tensor-parallel and sharded there, then materialised with to_empty and each module's
+    reset_parameters under a seed, as torchtitan initialises large models."""
+    model, ref = _tensor_parallel(tp_mesh, meta)
     kwargs = {}
     if mp:
         kwargs["mp_policy"] = fsdp.MixedPrecisionPolicy(param_dtype=torch.float32,
@@ -132,27 +143,9 @@ def _train(fsdp, dp_mesh, tp_mesh, dp_rank, mp, meta=False):
                   for name, param in model.named_parameters()}
     local_shapes = {name: list(param.to_local().shape)
                     for name, param in model.named_parameters()}
-    # Parameters on different meshes (2-D for the tensor-parallel ones, the dp mesh for the
-    # others): AdamW one tensor at a time, as DTensor's foreach ops need one mesh.
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, foreach=False)
-    generator = torch.Generator().manual_seed(SEED + 1)
-    grad_rel = 0.0
-    for _ in range(STEPS):
-        for _ in range(MICRO):
-            x = torch.randn(2 * ROWS, WIDTH, dtype=torch.float64, generator=generator)
-            y = torch.randn(2 * ROWS, 3, dtype=torch.float64, generator=generator)
-            mine = slice(dp_rank * ROWS, (dp_rank + 1) * ROWS)
-            (model(x[mine]) - y[mine]).square().mean().div(MICRO).backward()
-            (ref(x) - y).square().mean().div(MICRO).backward()
-        grad_rel = max(grad_rel, _max_rel([_full(p.grad).double() for p in model.parameters()],
-                                          [r.grad for r in ref.parameters()]))
-        opt.step()
-        opt.zero_grad()
-        ref_opt.step()
-        ref_opt.zero_grad()
+    grad_rel = _fit(model, ref, dp_rank, grads=True)
     params = {name: _full(p).detach() for name, p in zip(names, model.parameters())}
-    result = {
+    return {
         "ref_rel": _max_rel(list(params.values()), [r.detach() for r in ref.parameters()]),
         "grad_rel": grad_rel,
         "params": {name: p.double().flatten().tolist() for name, p in params.items()},
@@ -160,4 +153,47 @@ def _train(fsdp, dp_mesh, tp_mesh, dp_rank, mp, meta=False):
         "local_shapes": local_shapes,
         "class": type(model.blocks[0]).__name__,
     }
-    return result
+
+
+def _train_fsdp1(FSDP, wrap_policy, dp_mesh, tp_mesh, dp_rank):
+    """FSDP1 (FullyShardedDataParallel, device_mesh=dp_mesh, each block its own instance by
+    ModuleWrapPolicy) over the tensor-parallel blocks, as torch's 2-D FSDP1 takes them; the
+    full parameters after training through summon_full_params (tensor-parallel ones as
+    DTensors on tp_mesh, gathered with full_tensor)."""
+    model, ref = _tensor_parallel(tp_mesh)
+    wrapped = FSDP(model, device_mesh=dp_mesh, use_orig_params=True, device_id="cpu",
+                   auto_wrap_policy=wrap_policy({Block}))
+    _fit(wrapped, ref, dp_rank, grads=False)
+    # Copied inside the context: torch's FSDP1 frees the storage its full parameters view
+    # when the context ends (resized to 0 bytes; reading them after it faults).
+    with FSDP.summon_full_params(wrapped, writeback=False):
+        params = [_full(p).detach().double().clone() for p in wrapped.parameters()]
+    return {"ref_rel": _max_rel(params, [r.detach() for r in ref.parameters()]),
+            "params": {str(i): p.flatten().tolist() for i, p in enumerate(params)}}
+
+
+def _fit(model, ref, dp_rank, grads):
+    """STEPS steps of MICRO micro-batches and AdamW on both; with grads, the worst relative
+    difference of the full gradients to the reference's, else None."""
+    # Parameters on different meshes (2-D for the tensor-parallel ones, the dp mesh for the
+    # others): AdamW one tensor at a time, as DTensor's foreach ops need one mesh.
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, foreach=False)
+    generator = torch.Generator().manual_seed(SEED + 1)
+    grad_rel = 0.0 if grads else None
+    for _ in range(STEPS):
+        for _ in range(MICRO):
+            x = torch.randn(2 * ROWS, WIDTH, dtype=torch.float64, generator=generator)
+            y = torch.randn(2 * ROWS, 3, dtype=torch.float64, generator=generator)
+            mine = slice(dp_rank * ROWS, (dp_rank + 1) * ROWS)
+            (model(x[mine]) - y[mine]).square().mean().div(MICRO).backward()
+            (ref(x) - y).square().mean().div(MICRO).backward()
+        if grads:
+            grad_rel = max(grad_rel, _max_rel([_full(p.grad).double()
+                                               for p in model.parameters()],
+                                              [r.grad for r in ref.parameters()]))
+        opt.step()
+        opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    return grad_rel
