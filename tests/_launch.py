@@ -252,11 +252,12 @@ class _Zygote:
             raise RuntimeError("the test zygote did not start")
 
     def forkable(self, env: dict) -> bool:
-        """Whether `env` differs from the zygote's only in what is read after the imports."""
+        """Whether `env` differs from the zygote's only in what is read after the imports
+        (pytest's PYTEST_CURRENT_TEST changes with every test)."""
         changed = {key for key in env.keys() | self.env.keys()
                    if env.get(key) != self.env.get(key)}
         return self.proc.poll() is None and all(
-            key in _LAUNCH_VARIABLES or key.startswith(("DPTC_", "TORCHELASTIC_"))
+            key in _LAUNCH_VARIABLES or key.startswith(("DPTC_", "TORCHELASTIC_", "PYTEST_"))
             for key in changed)
 
     def spawn(self, argv, env, cwd, stdout, stderr) -> int:
