@@ -274,8 +274,9 @@ class _Zygote:
         self._next_line(timeout=0)
 
     def _next_line(self, timeout):
-        """Reads replies until one line other than an exit or start is complete, or the time
-        runs out; exits and starts are recorded on the way.  Returns that line or None."""
+        """Reads replies until a line other than an exit is complete, or the time runs out;
+        exits are recorded on the way, a start as well when it is that line.  Returns the
+        line or None."""
         deadline = time.monotonic() + timeout
         while True:
             while b"\n" in self._buffer:
@@ -283,11 +284,10 @@ class _Zygote:
                 word, *rest = line.decode().split()
                 if word == "exit":
                     self.exits[int(rest[0])] = int(rest[1])
-                elif word == "started":
+                    continue
+                if word == "started":
                     self._started.append(int(rest[0]))
-                    return line.decode()
-                else:
-                    return line.decode()
+                return line.decode()
             left = deadline - time.monotonic()
             if not select.select([self._reply], [], [], max(0.0, left))[0]:
                 return None
@@ -333,7 +333,9 @@ class _ProcessTree:
         self._known = {}  # pid -> start time, every process seen in the tree
 
     def start(self, argv, **popen_kwargs) -> subprocess.Popen:
-        proc = subprocess.Popen(argv, start_new_session=True, **popen_kwargs)
+        return self._track(subprocess.Popen(argv, start_new_session=True, **popen_kwargs))
+
+    def _track(self, proc):
         self.roots.append(proc)
         stat = _proc_stat(proc.pid)
         if stat is not None:
@@ -346,16 +348,11 @@ class _ProcessTree:
         zygote = _Zygote.get()
         if zygote is not None and argv[0] == "-m" and zygote.forkable(env):
             try:
-                proc = _ForkedRank(zygote, zygote.spawn(argv[1:], env, REPO_ROOT, stdout,
-                                                        stderr))
+                pid = zygote.spawn(argv[1:], env, REPO_ROOT, stdout, stderr)
             except (OSError, RuntimeError):
                 _Zygote._instance, _Zygote._failed = None, True
             else:
-                self.roots.append(proc)
-                stat = _proc_stat(proc.pid)
-                if stat is not None:
-                    self._known[proc.pid] = stat[1]
-                return proc
+                return self._track(_ForkedRank(zygote, pid))
         with open(stdout, "wb") as out, open(stderr, "wb") as err:
             return self.start([sys.executable, *argv], cwd=REPO_ROOT,
                               stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env)

@@ -11,7 +11,8 @@ itself is imported fresh in the child, which exits through the interpreter's nor
 
 Only environments the imports cannot have seen differently are forked (the harness decides,
 see _Zygote.forkable in tests/_launch.py): the launch variables, DPTC_*, TORCHELASTIC_* and
-PYTEST_*, which are read at run time.  Anything else, a different OMP_NUM_THREADS or LD_PRELOAD for instance, gets a real exec.
+PYTEST_*, which are read at run time.  Anything else, a different OMP_NUM_THREADS or
+LD_PRELOAD for instance, gets a real exec.
 
 Requests are JSON lines on <request fd>:
     {"argv": [...], "env": {...}, "cwd": path, "stdout": path, "stderr": path}

@@ -11,6 +11,7 @@ summon_full_params and the state dicts.
 import pytest
 import torch
 
+from tests._compare import max_rel
 from tests._launch import run_ranks
 from tests.test_fsdp import two_node_rels
 
@@ -81,19 +82,13 @@ def test_bf16_mixed_precision_matches_torch():
     mine = _results("dptc", 2, 1)[0]["FULL_SHARD+bf16"]
     theirs = _results("torch", 2, 1)[0]["FULL_SHARD+bf16"]
     assert mine["ok"] and theirs["ok"], (mine.get("error"), theirs.get("error"))
-    worst = 0.0
-    for a, b in zip(mine["params"], theirs["params"]):
-        a, b = torch.tensor(a), torch.tensor(b)
-        worst = max(worst, ((a - b).abs().max() / b.abs().max()).item())
+    worst = _rel(mine["params"], theirs["params"])
     assert worst <= 1e-6, worst
 
 
 def _rel(values, refs):
-    worst = 0.0
-    for x, y in zip(values, refs):
-        x, y = torch.tensor(x), torch.tensor(y)
-        worst = max(worst, ((x - y).abs().max() / y.abs().max()).item())
-    return worst
+    """max_rel over lists of flattened tensors, matched by position."""
+    return max_rel(dict(enumerate(values)), dict(enumerate(refs)))
 
 
 def test_keep_low_precision_grads_as_torch():

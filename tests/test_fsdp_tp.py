@@ -4,12 +4,13 @@ Layer: 4 ranks, a (dp=2, tp=2) mesh; rank-side code in tests/workers_fsdp_tp.py.
 linears are made tensor-parallel with torch's parallelize_module (ColwiseParallel, then
 RowwiseParallel) on mesh["tp"], and a gate between them a Replicate() DTensor there (its
 gradient arrives Shard(0) and is redistributed), then fully_shard shards every block and the
-root over mesh["dp"], as torch's tensor-parallel tutorial does.  One launch per implementation: dptc's
-fully_shard and torch's (gloo), each training in float64 against a single-process reference,
-under a float32 param_dtype, and from the meta device (built, made tensor-parallel and
-sharded there, then to_empty and each module's reset_parameters under a seed, as torchtitan
-initialises), and as HSDP + TP: the same blocks sharded over a (replicate=2, shard=1) mesh of a
-(2, 1, 2) one, the dp ranks replicating, as across nodes.
+root over mesh["dp"], as torch's tensor-parallel tutorial does.  One launch per
+implementation: dptc's fully_shard and torch's (gloo), each training in float64 against a
+single-process reference, under a float32 param_dtype, and from the meta device (built, made
+tensor-parallel and sharded there, then to_empty and each module's reset_parameters under a
+seed, as torchtitan initialises), and as HSDP + TP: the same blocks sharded over a
+(replicate=2, shard=1) mesh of a (2, 1, 2) one, the dp ranks replicating, as across nodes;
+then FSDP1 over the same blocks.
 """
 
 import pytest
