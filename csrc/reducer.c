@@ -90,6 +90,40 @@
  * the group's deadline, and copy it back; otherwise every parameter was
  * used somewhere, and the current stream just waits for the map like a
  * bucket.  A view-grad that nobody used is restored from a device clone.
+ *
+ * [Note: where finalize runs]
+ * The finalize callback must run at the end of the outermost backward.
+ * Queued from a gradient hook, it lands on the graph task that hook runs
+ * in, which under reentrant activation checkpointing
+ * (checkpoint(use_reentrant=True)) may be a nested backward that ends long
+ * before the other parameters' gradients exist.  So forward registers a
+ * pre-hook on the grad_fn of each output tensor (ddp.py, _expect_backward):
+ * it runs in the outer backward before anything inside the module, and
+ * queues the finalize there (_expect_finalize).  The first gradient hook
+ * still queues it where no output pre-hook ran (a compiled wrapper, whose
+ * forward dynamo traces, or a loss that does not come from the outputs).  A
+ * backward that reaches the outputs but no parameter (torch.autograd.grad
+ * of the outputs with respect to the inputs, as a gradient penalty does)
+ * runs the callback with no hook seen: it leaves the step expecting the
+ * next backward.
+ *
+ * [Note: static graph]
+ * static_graph=True promises that every synced backward fires the same
+ * hooks: the same parameters unused, and each used one the same number of
+ * times (more than once under reentrant checkpointing of a module called
+ * twice, where each nested backward accumulates into .grad separately).
+ * As in torch, the first synced backward only counts: no bucket launches
+ * during it, and its finalize records each parameter's count, marks every
+ * parameter ready with its .grad, all-reduces the used map (as with
+ * find_unused_parameters) and launches everything.  From then on a
+ * parameter is ready when its hook has fired its count, the parameters
+ * that were unused on this rank are marked ready at the first hook, and
+ * the used map of the first backward stands: a parameter no rank used then
+ * keeps its .grad untouched.  A hook beyond the count, or a count not
+ * reached by the finalize, means the graph changed: every rank raises.  The
+ * order for the bucket rebuild is the second synced backward's (the first
+ * one's hooks mark nothing ready), with this rank's unused parameters
+ * after it in index order, as torch's.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -146,6 +180,9 @@ typedef struct {
     char *grad_data;     /* grad's bytes when contiguous and not the view */
     int grad_is_view;    /* grad is the bucket view: nothing to copy */
     int direct;          /* grad is reduced where it is, see [Note: gradients in place] */
+    int fired;           /* static_graph: hooks fired in this backward */
+    int expected;        /* static_graph: hooks per synced backward, counted in
+                            the first one (see [Note: static graph]) */
     char *saved;         /* with gradient_as_bucket_view: the view's bytes
                             before the reduce, restored if no rank used it
                             (PyMem_RawMalloc) */
@@ -197,6 +234,8 @@ struct ReducerObject {
     int device;                /* see [Note: buckets on a device] */
     PyObject *current_stream;  /* device only: () -> torch.cuda.Stream */
     int find_unused;
+    int static_graph;          /* see [Note: static graph] */
+    int counted;               /* static_graph: every slot's `expected` is known */
     int as_view;               /* gradient_as_bucket_view */
     int overlap;               /* launch full buckets during backward; else
                                   all at its end, see [Note: overlap] */
@@ -217,6 +256,9 @@ struct ReducerObject {
     double scale;              /* reduced gradients are multiplied by it at
                                   the end, see [Note: a step's scale] */
     Py_ssize_t next_launch;    /* first bucket not yet submitted */
+    Py_ssize_t hooks_seen;     /* gradient hooks fired in this synced backward */
+    int unused_marked;         /* static_graph: this rank's unused parameters are
+                                  marked ready */
     Py_ssize_t open_ranges;    /* buckets whose range is open: while 0, hooks
                                   look for no completions */
     uint8_t *used_map;         /* nslots bytes, reduced by the engine thread */
@@ -311,7 +353,17 @@ static dptc_module_state *reducer_state(ReducerObject *r)
  * step ends, and leaks it with its bucket if the work never completes. */
 static int reduces_in_place(const ReducerObject *r)
 {
-    return r->comm == COMM_PLAIN && !r->find_unused && !r->as_view && !r->device;
+    return r->comm == COMM_PLAIN && !r->find_unused && !r->as_view && !r->device &&
+           !(r->static_graph && !r->counted);
+}
+
+/* Whether slot i's reduced value goes to its .grad: not for a parameter
+ * that no rank used (with find_unused_parameters, in this step; with
+ * static_graph, in the first synced backward).  Read once the used map is
+ * reduced. */
+static int slot_globally_used(const ReducerObject *r, Py_ssize_t i)
+{
+    return !(r->find_unused || r->static_graph) || r->used_map[i];
 }
 
 /* `method` of tensor with one tensor argument (copy_ on a device).  GIL held. */
@@ -474,9 +526,11 @@ static dptc_status bucket_launch(ReducerObject *r, bucket *b, dptc_error *err)
         return bucket_launch_python(r, b);
     dptc_coll coll = {.op = DPTC_OP_ALL_REDUCE, .dtype = b->dtype, .redop = DPTC_AVG,
                       .input = b->data, .output = b->data, .count = b->count, .root = 0};
-    for (Py_ssize_t k = 0; k < b->nmembers && reduces_in_place(r); k++)
-        if (r->slots[b->members[k]].direct)
-            return bucket_submit_pieces(r, g, b, &coll, err);
+    /* Whether a member is direct may differ between ranks (a gradient that is
+     * None here, a non-contiguous one): every rank takes the pieces, so that
+     * all issue the same collective. */
+    if (reduces_in_place(r))
+        return bucket_submit_pieces(r, g, b, &coll, err);
     if (r->device) {
         /* See [Note: buckets on a device]. */
         if (b->comm_tensor) {
@@ -607,6 +661,7 @@ static void step_end(ReducerObject *r)
     for (Py_ssize_t i = 0; i < r->nslots; i++) {
         param_slot *s = &r->slots[i];
         s->ready = 0;
+        s->fired = 0;
         s->grad_data = NULL;
         s->grad_is_view = 0;
         s->direct = 0;
@@ -618,6 +673,8 @@ static void step_end(ReducerObject *r)
         Py_CLEAR(s->saved_tensor);
     }
     r->next_launch = 0;
+    r->hooks_seen = 0;
+    r->unused_marked = 0;
     r->scale = 1.0;
     r->state = STEP_IDLE;
 }
@@ -714,7 +771,7 @@ static dptc_status slot_capture(ReducerObject *r, param_slot *s, PyObject *grad)
         CHECK(tensor_flag(grad, "is_contiguous", &contiguous));
     if (contiguous) {
         s->grad_data = data;
-        if (reduces_in_place(r))
+        if (reduces_in_place(r) && slot_globally_used(r, s - r->slots))
             s->direct = 1;  /* see [Note: gradients in place] */
         else
             copy_bytes(place, data, s->nbytes);
@@ -746,6 +803,90 @@ static dptc_status slot_mark_ready(ReducerObject *r, Py_ssize_t index, PyObject 
     return DPTC_OK;
 }
 
+/* Queues the finalize callback on the graph task running now (see [Note:
+ * where finalize runs]); the step is then being reduced.  GIL held. */
+static dptc_status queue_finalize(ReducerObject *r)
+{
+    PyObject *finalize = PyObject_GetAttrString((PyObject *)r, "_finalize");
+    if (!finalize)
+        return DPTC_ERR_PYTHON;
+    PyObject *queued = PyObject_CallOneArg(r->queue_callback, finalize);
+    Py_DECREF(finalize);
+    if (!queued)
+        return DPTC_ERR_PYTHON;
+    Py_DECREF(queued);
+    r->state = STEP_REDUCING;
+    return DPTC_OK;
+}
+
+/* With gradient_as_bucket_view, a parameter that may turn out unused by
+ * every rank must get its .grad back unchanged: saves the view's bytes
+ * before its bucket is launched (which may start reducing them at once).
+ * GIL held. */
+static dptc_status slot_save_view(ReducerObject *r, param_slot *s, PyObject *grad, dptc_error *err)
+{
+    if (!r->as_view || grad == Py_None || !s->nbytes || s->saved || s->saved_tensor)
+        return DPTC_OK;
+    char *data;
+    CHECK(tensor_bytes(grad, &data));
+    char *place = r->buckets[s->bucket].data + s->offset;
+    if (data != place)
+        return DPTC_OK;
+    if (r->device) {
+        s->saved_tensor = PyObject_CallMethod(s->view, "clone", NULL);
+        return s->saved_tensor ? DPTC_OK : DPTC_ERR_PYTHON;
+    }
+    s->saved = PyMem_RawMalloc(s->nbytes);
+    if (!s->saved)
+        return dptc_fail(err, DPTC_ERR_NOMEM, "out of memory saving a gradient");
+    copy_bytes(s->saved, place, s->nbytes);
+    return DPTC_OK;
+}
+
+/* Marks slot i ready with its current .grad, which does not make it used,
+ * saving a view-grad first when `save`.  at_end: see launch_ready_buckets.
+ * GIL held. */
+static dptc_status slot_mark_ready_as_is(ReducerObject *r, Py_ssize_t i, int save, int at_end,
+                                         dptc_error *err)
+{
+    PyObject *grad = PyObject_GetAttrString(r->slots[i].param, "grad");
+    if (!grad)
+        return DPTC_ERR_PYTHON;
+    dptc_status status = save ? slot_save_view(r, &r->slots[i], grad, err) : DPTC_OK;
+    if (status == DPTC_OK)
+        status = slot_mark_ready(r, i, grad, at_end, err);
+    Py_DECREF(grad);
+    return status;
+}
+
+/* static_graph, after the first synced backward: at the first hook, marks
+ * ready the parameters this rank did not use then (see [Note: static
+ * graph]).  GIL held. */
+static dptc_status mark_static_unused(ReducerObject *r, dptc_error *err)
+{
+    r->unused_marked = 1;
+    for (Py_ssize_t i = 0; i < r->nslots; i++)
+        if (r->slots[i].expected == 0 && !r->slots[i].ready)
+            CHECK(slot_mark_ready_as_is(r, i, !r->used_map[i], 0, err));
+    return DPTC_OK;
+}
+
+/* A gradient arrived that the graph of the first synced backward did not
+ * have (static_graph).  Raises after aborting the group; returns NULL. */
+static PyObject *static_graph_changed(ReducerObject *r, param_slot *s)
+{
+    PyErr_Format(PyExc_RuntimeError,
+                 "DistributedDataParallel: parameter '%U' received %d gradient(s) in this "
+                 "backward pass, more than the %d it received in the first one.  "
+                 "static_graph=True needs the same graph every iteration: the same parameters "
+                 "used, each the same number of times.  Pass static_graph=False (with "
+                 "find_unused_parameters=True if the set of used parameters changes).  The "
+                 "process group has been aborted so that every rank raises.",
+                 s->name, s->fired + 1, s->expected);
+    step_abort(r, "DistributedDataParallel: a rank's graph changed under static_graph=True");
+    return NULL;
+}
+
 /* The hook: param's gradient has been accumulated.  GIL held.
  * Returns a new reference (None) or NULL. */
 static PyObject *reducer_on_gradient(ReducerObject *r, Py_ssize_t index)
@@ -753,7 +894,7 @@ static PyObject *reducer_on_gradient(ReducerObject *r, Py_ssize_t index)
     param_slot *s = &r->slots[index];
     if (r->state == STEP_IDLE) {
         /* no_sync: .grad accumulates locally; only usage is recorded. */
-        if (r->find_unused && !s->used) {
+        if ((r->find_unused || r->static_graph) && !s->used) {
             PyObject *grad = PyObject_GetAttrString(s->param, "grad");
             if (!grad)
                 return NULL;
@@ -768,37 +909,43 @@ static PyObject *reducer_on_gradient(ReducerObject *r, Py_ssize_t index)
         return NULL;
     }
     dptc_error err = {{0}};
-    if (s->ready) {
+    if (r->static_graph && r->counted && s->fired >= s->expected)
+        return static_graph_changed(r, s);
+    if (!r->static_graph && s->ready) {
         PyErr_Format(PyExc_RuntimeError,
                      "DistributedDataParallel: parameter '%U' received its gradient twice in "
                      "one backward pass.  This happens when a parameter is used outside "
                      "forward, when several backward passes run for one forward (e.g. reentrant "
-                     "activation checkpointing: use use_reentrant=False), or when backward is "
+                     "activation checkpointing of a module called twice: pass "
+                     "static_graph=True, or use use_reentrant=False), or when backward is "
                      "called twice on one graph; run each synced backward once per forward.",
                      s->name);
         step_abort(r, "DistributedDataParallel: a rank received a parameter's gradient twice "
                       "in one backward pass");
         return NULL;
     }
-    if (r->state == STEP_EXPECTING) {
-        PyObject *finalize = PyObject_GetAttrString((PyObject *)r, "_finalize");
-        if (!finalize)
-            return NULL;
-        PyObject *queued = PyObject_CallOneArg(r->queue_callback, finalize);
-        Py_DECREF(finalize);
-        if (!queued)
-            return NULL;
-        Py_DECREF(queued);
-        r->state = STEP_REDUCING;
-    }
+    if (r->state == STEP_EXPECTING && queue_finalize(r) != DPTC_OK)
+        return NULL;
+    r->hooks_seen++;
     PyObject *grad = PyObject_GetAttrString(s->param, "grad");
     if (!grad)
         return step_fail(r, DPTC_ERR_PYTHON, &err);
     if (grad != Py_None)
         s->used = 1;
-    if (!r->order_recorded && r->norder < r->nslots)
-        r->order[r->norder++] = index;
-    dptc_status status = slot_mark_ready(r, index, grad, 0, &err);
+    dptc_status status = DPTC_OK;
+    int ready = 1;
+    if (r->static_graph) {
+        /* See [Note: static graph]: the first synced backward only counts. */
+        s->fired++;
+        ready = r->counted && s->fired == s->expected;
+        if (r->counted && !r->unused_marked)
+            status = mark_static_unused(r, &err);
+    }
+    if (ready && status == DPTC_OK) {
+        if (!r->order_recorded && r->norder < r->nslots)
+            r->order[r->norder++] = index;
+        status = slot_mark_ready(r, index, grad, 0, &err);
+    }
     Py_DECREF(grad);
     if (status != DPTC_OK)
         return step_fail(r, status, &err);
@@ -837,7 +984,16 @@ static dptc_status check_all_ready(ReducerObject *r)
     char more_text[64] = "";
     if (more)
         snprintf(more_text, sizeof more_text, " and %zd more", more);
-    message = PyUnicode_FromFormat(
+    if (r->static_graph)
+        message = PyUnicode_FromFormat(
+            "DistributedDataParallel: %zd parameter(s) received fewer gradients in this "
+            "backward pass on rank %d than in the first one: %U%s.  static_graph=True needs "
+            "the same graph every iteration; pass static_graph=False (with "
+            "find_unused_parameters=True if the set of used parameters changes).  The process "
+            "group has been aborted so that every rank raises.",
+            missing, rank, joined, more_text);
+    else
+        message = PyUnicode_FromFormat(
         "DistributedDataParallel: %zd parameter(s) did not receive a gradient in this backward "
         "pass on rank %d: %U%s.  Every parameter that requires a gradient must take part "
         "in computing the loss; if some legitimately do not (control flow, unused branches, "
@@ -876,37 +1032,18 @@ static dptc_status work_complete_device(dptc_work **work, void *stream, dptc_err
     return status;
 }
 
-/* With find_unused_parameters: marks every parameter that is not ready
- * (with its current .grad, which does not make it used), which launches the
- * buckets they complete, and fills the used map.  GIL held. */
+/* With find_unused_parameters, and in static_graph's first synced backward
+ * (every parameter): marks every parameter that is not ready (with its
+ * current .grad, which does not make it used, a view-grad saved first if
+ * it is unused here), which launches the buckets they complete, and fills
+ * the used map.  GIL held. */
 static dptc_status mark_unused(ReducerObject *r, dptc_error *err)
 {
-    for (Py_ssize_t i = 0; i < r->nslots; i++) {
-        param_slot *s = &r->slots[i];
-        if (s->ready)
-            continue;
-        PyObject *grad = PyObject_GetAttrString(s->param, "grad");
-        if (!grad)
-            return DPTC_ERR_PYTHON;
-        dptc_status status = slot_mark_ready(r, i, grad, 1, err);
-        Py_DECREF(grad);
-        CHECK(status);
-    }
-    for (Py_ssize_t i = 0; i < r->nslots; i++) {
-        param_slot *s = &r->slots[i];
-        r->used_map[i] = (uint8_t)(s->used != 0);
-        /* A view-grad that nobody used must come back unchanged. */
-        if (!s->used && s->grad_is_view && s->nbytes && r->device) {
-            s->saved_tensor = PyObject_CallMethod(s->view, "clone", NULL);
-            if (!s->saved_tensor)
-                return DPTC_ERR_PYTHON;
-        } else if (!s->used && s->grad_is_view && s->nbytes) {
-            s->saved = PyMem_RawMalloc(s->nbytes);
-            if (!s->saved)
-                return dptc_fail(err, DPTC_ERR_NOMEM, "out of memory saving a gradient");
-            copy_bytes(s->saved, r->buckets[s->bucket].data + s->offset, s->nbytes);
-        }
-    }
+    for (Py_ssize_t i = 0; i < r->nslots; i++)
+        if (!r->slots[i].ready)
+            CHECK(slot_mark_ready_as_is(r, i, !r->slots[i].used, 1, err));
+    for (Py_ssize_t i = 0; i < r->nslots; i++)
+        r->used_map[i] = (uint8_t)(r->slots[i].used != 0);
     return DPTC_OK;
 }
 
@@ -980,12 +1117,6 @@ static dptc_status used_map_complete_device(ReducerObject *r, void *stream, doub
         memcpy(r->used_map, data, (size_t)r->nslots);
     Py_DECREF(host);
     return status;
-}
-
-/* Whether slot i's reduced value goes to its .grad. */
-static int slot_globally_used(ReducerObject *r, Py_ssize_t i)
-{
-    return !r->find_unused || r->used_map[i];
 }
 
 /* Waits for bucket b, decompresses, and copies the results into the
@@ -1181,14 +1312,14 @@ static PyObject *reducer_new(PyTypeObject *type, PyObject *args, PyObject *kwarg
 {
     static char *keywords[] = {"group", "params", "names", "dtypes", "queue_callback",
                                "find_unused_parameters", "gradient_as_bucket_view",
-                               "current_stream", "stage_used_map", NULL};
+                               "current_stream", "stage_used_map", "static_graph", NULL};
     PyObject *group, *params, *names, *dtypes, *queue_callback, *stream_fn = Py_None;
     PyObject *stage_fn = Py_None;
-    int find_unused, as_view;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO!O!O!Opp|$OO:Reducer", keywords, &group,
+    int find_unused, as_view, static_graph = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO!O!O!Opp|$OOp:Reducer", keywords, &group,
                                      &PyList_Type, &params, &PyList_Type, &names, &PyList_Type,
                                      &dtypes, &queue_callback, &find_unused, &as_view,
-                                     &stream_fn, &stage_fn))
+                                     &stream_fn, &stage_fn, &static_graph))
         return NULL;
     dptc_module_state *st = dptc_state_from_type(type);
     if (!dptc_group_from_object(st, group, "group"))
@@ -1198,9 +1329,9 @@ static PyObject *reducer_new(PyTypeObject *type, PyObject *args, PyObject *kwarg
         PyErr_SetString(PyExc_TypeError, "Reducer: device buckets need current_stream, a callable");
         return NULL;
     }
-    if (device && find_unused && !PyCallable_Check(stage_fn)) {
-        PyErr_SetString(PyExc_TypeError, "Reducer: find_unused_parameters on device buckets "
-                                         "needs stage_used_map, a callable");
+    if (device && (find_unused || static_graph) && !PyCallable_Check(stage_fn)) {
+        PyErr_SetString(PyExc_TypeError, "Reducer: find_unused_parameters or static_graph on "
+                                         "device buckets needs stage_used_map, a callable");
         return NULL;
     }
     Py_ssize_t n = PyList_GET_SIZE(params);
@@ -1219,8 +1350,10 @@ static PyObject *reducer_new(PyTypeObject *type, PyObject *args, PyObject *kwarg
     r->queue_callback = Py_NewRef(queue_callback);
     r->device = device;
     r->current_stream = device ? Py_NewRef(stream_fn) : NULL;
-    r->stage_used_map = device && find_unused ? Py_NewRef(stage_fn) : NULL;
-    r->find_unused = find_unused;
+    r->stage_used_map = device && PyCallable_Check(stage_fn) ? Py_NewRef(stage_fn) : NULL;
+    /* static_graph finds the unused parameters itself, once. */
+    r->find_unused = find_unused && !static_graph;
+    r->static_graph = static_graph;
     r->as_view = as_view;
     r->overlap = 1;
     r->comm = COMM_PLAIN;
@@ -1558,7 +1691,17 @@ static PyObject *finalize_step(ReducerObject *r)
 {
     dptc_error err = {{0}};
     dptc_status status;
-    if (r->find_unused) {
+    if (r->hooks_seen == 0) {
+        /* Queued by an output's pre-hook in a backward that reached no
+         * parameter: see [Note: where finalize runs]. */
+        r->state = STEP_EXPECTING;
+        Py_RETURN_NONE;
+    }
+    int counting = r->static_graph && !r->counted;  /* [Note: static graph] */
+    if (counting)
+        for (Py_ssize_t i = 0; i < r->nslots; i++)
+            r->slots[i].expected = r->slots[i].fired;
+    if (r->find_unused || counting) {
         status = mark_unused(r, &err);
         if (status != DPTC_OK)
             return step_fail(r, status, &err);
@@ -1566,7 +1709,7 @@ static PyObject *finalize_step(ReducerObject *r)
         return NULL; /* the group is aborted and the step ended */
     }
     status = launch_ready_buckets(r, 1, &err);  /* what waited, see [Note: overlap] */
-    if (status == DPTC_OK && r->find_unused)
+    if (status == DPTC_OK && (r->find_unused || counting))
         status = launch_used_map(r, &err);
     if (status != DPTC_OK)
         return step_fail(r, status, &err);
@@ -1577,10 +1720,18 @@ static PyObject *finalize_step(ReducerObject *r)
         return step_fail(r, DPTC_ERR_PYTHON, &err);
     if (r->scale != 1.0 && scale_gradients(r) != DPTC_OK)
         return step_fail(r, DPTC_ERR_PYTHON, &err);
-    if (r->find_unused)
+    if (r->find_unused || counting)
         for (Py_ssize_t i = 0; i < r->nslots; i++)
             r->slots[i].used = 0;
-    r->order_recorded = 1;
+    if (counting) {
+        r->counted = 1;
+    } else {
+        /* static_graph: this rank's unused parameters close the order. */
+        for (Py_ssize_t i = 0; i < r->nslots && r->static_graph && !r->order_recorded; i++)
+            if (r->slots[i].expected == 0 && r->norder < r->nslots)
+                r->order[r->norder++] = i;
+        r->order_recorded = 1;
+    }
     r->steps++;
     step_end(r);
     Py_RETURN_NONE;
@@ -1588,8 +1739,22 @@ static PyObject *finalize_step(ReducerObject *r)
 
 PyDoc_STRVAR(finalize_doc,
 "_finalize()\n--\n\n"
-"End-of-backward callback (queued by the first hook): launches what is left,\n"
-"waits without the GIL and writes the averaged gradients into .grad.");
+"End-of-backward callback (queued by an output's pre-hook or the first hook):\n"
+"launches what is left, waits without the GIL and writes the averaged\n"
+"gradients into .grad.");
+
+PyDoc_STRVAR(expect_finalize_doc,
+"_expect_finalize(*grads)\n--\n\n"
+"Pre-hook of a synced forward's output grad_fn: queues the finalize on the\n"
+"backward running now (see [Note: where finalize runs]).  Returns None.");
+
+static PyObject *reducer_expect_finalize(PyObject *op, PyObject *Py_UNUSED(args))
+{
+    ReducerObject *r = (ReducerObject *)op;
+    if (r->state == STEP_EXPECTING && queue_finalize(r) != DPTC_OK)
+        return NULL;
+    Py_RETURN_NONE;
+}
 
 static PyObject *reducer_finalize(PyObject *op, PyObject *Py_UNUSED(ignored))
 {
@@ -1731,6 +1896,7 @@ static PyMethodDef reducer_methods[] = {
      "remove_hooks()\n--\n\nUnregisters the hooks (the reducer stops reducing)."},
     {"prepare_for_backward", reducer_prepare_for_backward, METH_VARARGS, prepare_doc},
     {"_finalize", reducer_finalize, METH_NOARGS, finalize_doc},
+    {"_expect_finalize", reducer_expect_finalize, METH_VARARGS, expect_finalize_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1761,7 +1927,40 @@ static int reducer_set_overlap(PyObject *op, PyObject *value, void *Py_UNUSED(cl
     return 0;
 }
 
+static PyObject *reducer_get_static_graph(PyObject *op, void *Py_UNUSED(closure))
+{
+    return PyBool_FromLong(((ReducerObject *)op)->static_graph);
+}
+
+/* DDP._set_static_graph(): torch's older spelling, before the first step. */
+static int reducer_set_static_graph(PyObject *op, PyObject *value, void *Py_UNUSED(closure))
+{
+    ReducerObject *r = (ReducerObject *)op;
+    int on = value ? PyObject_IsTrue(value) : -1;
+    if (on < 0) {
+        if (!value)
+            PyErr_SetString(PyExc_AttributeError, "Reducer.static_graph cannot be deleted");
+        return -1;
+    }
+    if (r->steps > 0 || r->state != STEP_IDLE) {
+        PyErr_SetString(PyExc_RuntimeError, "static_graph can only be set before the first "
+                                            "synced forward and backward");
+        return -1;
+    }
+    if (on && r->device && !r->stage_used_map) {
+        PyErr_SetString(PyExc_RuntimeError, "Reducer.static_graph: device buckets need "
+                                            "stage_used_map");
+        return -1;
+    }
+    r->static_graph = on;
+    if (on)
+        r->find_unused = 0;
+    return 0;
+}
+
 static PyGetSetDef reducer_getset[] = {
+    {"static_graph", reducer_get_static_graph, reducer_set_static_graph,
+     "See [Note: static graph] in csrc/reducer.c.", NULL},
     {"in_place", reducer_get_in_place, NULL,
      "Whether contiguous gradients are reduced where they are: [Note: gradients in place].",
      NULL},
@@ -1778,13 +1977,14 @@ static PyGetSetDef reducer_getset[] = {
 
 PyDoc_STRVAR(reducer_doc,
 "Reducer(group, params, names, dtypes, queue_callback, find_unused_parameters,\n"
-"        gradient_as_bucket_view, *, current_stream=None, stage_used_map=None)\n--\n\n"
+"        gradient_as_bucket_view, *, current_stream=None, stage_used_map=None,\n"
+"        static_graph=False)\n--\n\n"
 "DDP's gradient reducer (see dptc/ddp.py).  params: the parameters to reduce,\n"
 "deduplicated, all requiring grad; names: their names for errors; dtypes: dptc\n"
 "dtype codes; queue_callback: torch.autograd.Variable._execution_engine.queue_callback.\n"
 "A device group (device buckets) also takes current_stream, () -> torch.cuda.Stream,\n"
-"and with find_unused_parameters stage_used_map, (bytes) -> the device tensor\n"
-"holding them.  Call set_buckets, then register_hooks.");
+"and with find_unused_parameters or static_graph stage_used_map, (bytes) -> the\n"
+"device tensor holding them.  Call set_buckets, then register_hooks.");
 
 static PyType_Slot reducer_slots[] = {
     {Py_tp_new, reducer_new},

@@ -16,6 +16,7 @@ import warnings
 
 import torch
 import torch.nn as nn
+import torch.utils._pytree as pytree
 
 from . import _C, _cuda
 from ._compile import active_ddp_module, eager
@@ -157,8 +158,10 @@ class DistributedDataParallel(nn.Module, Joinable):
     Supported: CPU modules, and modules on one CUDA device (``device_ids`` None or that
     device's index; their buckets live on the device and go through NCCL, see [Note: buckets
     on a device] in csrc/reducer.c); ``bucket_cap_mb``; ``find_unused_parameters``;
-    ``gradient_as_bucket_view``; ``broadcast_buffers``; ``static_graph`` (accepted, runs like
-    the default path); ``no_sync()`` and ``require_backward_grad_sync``; ``register_comm_hook``
+    ``gradient_as_bucket_view``; ``broadcast_buffers``; ``static_graph`` (as torch's: the
+    parameters unused in the first synced backward, and those a reentrant checkpoint reaches
+    more than once, need no find_unused_parameters; see [Note: static graph] in
+    csrc/reducer.c); ``no_sync()`` and ``require_backward_grad_sync``; ``register_comm_hook``
     (the all-reduce, fp16 and bf16 compression hooks natively, any other hook in Python on a
     CPU module; see dptc.comm_hooks).
     ``process_group`` may be any group dptc accepts (a dptc or torch group, a DeviceMesh
@@ -240,13 +243,14 @@ class DistributedDataParallel(nn.Module, Joinable):
         device_kwargs = {}
         if cuda:
             device_kwargs["current_stream"] = lambda: torch.cuda.current_stream(device)
-            if self.find_unused_parameters:
-                self._used_map = self._bucket_tensor(len(params), torch.uint8)
-                device_kwargs["stage_used_map"] = self._stage_used_map
+            # find_unused_parameters and static_graph (which _set_static_graph may set
+            # later) all-reduce the used map on the device.
+            self._used_map = self._bucket_tensor(len(params), torch.uint8)
+            device_kwargs["stage_used_map"] = self._stage_used_map
         self._reducer = _C.Reducer(engine, params, names, codes,
                                    torch.autograd.Variable._execution_engine.queue_callback,
                                    self.find_unused_parameters, self.gradient_as_bucket_view,
-                                   **device_kwargs)
+                                   static_graph=self.static_graph, **device_kwargs)
         self._reducer.overlap = _overlaps(cuda, self.process_group)
         # See [Note: bucket launch order] in csrc/reducer.c.
         self._install_buckets(first_buckets(
@@ -442,7 +446,18 @@ class DistributedDataParallel(nn.Module, Joinable):
         with active_ddp_module(self):  # see [Note: torch.compile] in dptc/_compile.py
             output = self.module(*inputs, **kwargs)
         self.require_forward_param_sync = sync
+        if sync and not torch.compiler.is_compiling():
+            self._expect_backward(output)
         return output
+
+    def _expect_backward(self, output):
+        """Has the backward through ``output`` queue the reducer's end-of-backward callback
+        on itself, the outermost backward (see [Note: where finalize runs] in
+        csrc/reducer.c): a pre-hook on the grad_fn of every output tensor."""
+        expect = self._reducer._expect_finalize
+        for leaf in pytree.tree_leaves(output):
+            if isinstance(leaf, torch.Tensor) and leaf.grad_fn is not None:
+                leaf.grad_fn.register_prehook(expect)
 
     @eager
     def _pre_forward(self):
@@ -651,8 +666,17 @@ class DistributedDataParallel(nn.Module, Joinable):
         torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model)
 
     def _set_static_graph(self):
-        """Older spelling of static_graph=True; accepted (runs like the default path)."""
+        """Older spelling of static_graph=True, before the first synced step."""
+        if self.static_graph:
+            return
+        self._reducer.static_graph = True
         self.static_graph = True
+        if self.find_unused_parameters:
+            warnings.warn("You passed find_unused_parameters=true to DistributedDataParallel, "
+                          "`_set_static_graph` will detect unused parameters automatically, so "
+                          "you do not need to set find_unused_parameters=true, just be sure "
+                          "these unused parameters will not change during training loop while "
+                          "calling `_set_static_graph`.", stacklevel=2)
 
     def _reducer_stats(self):
         """Counters of the C reducer: steps, buckets, launches during/after backward, wait s."""

@@ -172,6 +172,28 @@ def test_unused_parameter_on_one_rank_raises_everywhere():
         assert outcome["step"] == 0 and outcome["seconds"] < FAST_S, outcome
 
 
+@pytest.mark.parametrize("change", ["more", "fewer"])
+def test_static_graph_change_raises_everywhere(change):
+    """static_graph=True, and rank 1's graph changes after the first step: "more", a layer it
+    left out of the first step runs in the second (a gradient beyond its count); "fewer", a
+    layer it ran stops (a count the end of backward has not reached). Rank 1 raises a
+    RuntimeError naming the layer and static_graph; rank 0, whose buckets wait for rank 1's,
+    raises a DistError carrying that message, both in the second step's backward and within
+    seconds."""
+    results = run_ranks("tests.test_ddp_errors:static_change_case", 2,
+                        args={"change": change}, timeout=RUN_TIMEOUT_S)
+    waiter, detector = results
+    assert detector["raised"] and detector["type"] == "RuntimeError", detector
+    assert "maybe." in detector["message"], detector
+    assert "static_graph" in detector["message"], detector
+    assert waiter["raised"], waiter
+    assert "DistError" in waiter["mro"], waiter
+    assert "static_graph" in waiter["message"], waiter
+    for outcome in results:
+        assert (outcome["step"], outcome["phase"]) == (1, "backward"), outcome
+        assert outcome["seconds"] < FAST_S, outcome
+
+
 def test_interrupted_backward_raises_everywhere():
     """An exception on rank 1 in the middle of a synced backward (after some buckets were
     launched): rank 1 sees it, and its next forward refuses to go on; rank 0, waiting for
@@ -367,6 +389,54 @@ def unused_case(impl, unused_on, steps=3):
     start_clock()
     began = time.perf_counter()
     for step in range(steps):
+        phase = "forward"
+        try:
+            output = ddp(torch.randn(4, 8))
+            phase = "backward"
+            output.square().mean().backward()
+            phase = "step"
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        except Exception as error:  # noqa: BLE001 - the error is the result
+            outcome = {"raised": True, "step": step, "phase": phase,
+                       "seconds": time.perf_counter() - began, **_describe(error)}
+            break
+    _finish()
+    return outcome
+
+
+class _Changing(nn.Module):
+    """fc -> out, plus a layer `maybe` that rank 0 always runs and rank 1 runs in the steps
+    `uses(step)` allows."""
+
+    def __init__(self, uses):
+        super().__init__()
+        self.fc = nn.Linear(8, 16)
+        self.maybe = nn.Linear(16, 16)
+        self.out = nn.Linear(16, 4)
+        self.uses = uses
+        self.step = 0
+
+    def forward(self, x):
+        h = torch.relu(self.fc(x))
+        if int(os.environ["RANK"]) == 0 or self.uses(self.step):
+            h = h + self.maybe(h)
+        return self.out(h)
+
+
+def static_change_case(change, steps=3):
+    """Trains _Changing under static_graph=True; returns the first error as unused_case does."""
+    from tests._rank import start_clock
+    _init("dptc")
+    torch.manual_seed(0)
+    model = _Changing((lambda step: step >= 1) if change == "more" else (lambda step: step == 0))
+    ddp = _ddp_class("dptc")(model, static_graph=True)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    outcome = {"raised": False}
+    start_clock()
+    began = time.perf_counter()
+    for step in range(steps):
+        model.step = step
         phase = "forward"
         try:
             output = ddp(torch.randn(4, 8))

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from tests._rank import load_impl, start_clock
 
@@ -141,6 +142,42 @@ class ConvNet(nn.Module):
         return self.fc(torch.tanh(self.conv(x)).flatten(1))
 
 
+class ReentrantTwice(nn.Module):
+    """A block called twice, each time under reentrant activation checkpointing: each nested
+    backward accumulates into the block's .grad on its own, so its hooks fire twice per
+    backward, which static_graph=True allows (torch's DDP raises without it). Plus a layer no
+    rank uses."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc_in = nn.Linear(16, 32)
+        self.block = nn.Linear(32, 32)
+        self.head = nn.Linear(32, 8)
+        self.unused = nn.Linear(4, 4)
+
+    def forward(self, x):
+        hidden = torch.tanh(self.fc_in(x))
+        hidden = torch.tanh(checkpoint(self.block, hidden, use_reentrant=True))
+        hidden = torch.tanh(checkpoint(self.block, hidden, use_reentrant=True))
+        return self.head(hidden)
+
+
+class ReentrantHead(nn.Module):
+    """Reentrant activation checkpointing down to the head: the first gradients of a backward
+    arrive inside a nested backward, which ends long before fc_in's gradient exists."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc_in = nn.Linear(16, 32)
+        self.block = nn.Linear(32, 32)
+        self.head = nn.Linear(32, 8)
+
+    def forward(self, x):
+        hidden = torch.tanh(self.fc_in(x))
+        hidden = torch.tanh(checkpoint(self.block, hidden, use_reentrant=True))
+        return checkpoint(self.head, hidden, use_reentrant=True)
+
+
 def channels_last_convnet():
     """The convolution's weight is channels_last, so its gradient is not contiguous: one bucket
     holds pieces reduced where autograd left them (the linear layer's) and a piece copied into
@@ -199,6 +236,17 @@ def extra_head_loss(model, batch, rank):
     return F.cross_entropy(model(inputs, branch="both" if rank == 0 else 0), labels)
 
 
+def penalty_loss(model, batch, rank):
+    """Cross-entropy plus the squared gradient of it with respect to the inputs (a gradient
+    penalty): a torch.autograd.grad through the model's outputs runs before the backward
+    that reaches the parameters."""
+    inputs, labels = batch
+    inputs = inputs.clone().requires_grad_()
+    loss = F.cross_entropy(model(inputs), labels)
+    grad, = torch.autograd.grad(loss, inputs, create_graph=True)
+    return loss + grad.square().sum()
+
+
 def gpt_loss(model, batch, rank):
     inputs, targets = batch
     return GPT.loss(model(inputs), targets)
@@ -238,6 +286,19 @@ SCENARIOS = {
                                 ddp_kwargs={"find_unused_parameters": True,
                                             "bucket_cap_mb": 0.001}),
     "tied_gpt": Scenario(tiny_gpt, batch=token_batch, loss=gpt_loss),
+    # static_graph=True: unused parameters need no find_unused_parameters.
+    "static_unused": Scenario(MLPWithUnused, ddp_kwargs={"static_graph": True}),
+    "static_rank_branch": Scenario(BranchMLP, loss=branch_loss, per_rank_reference=True,
+                                   ddp_kwargs={"static_graph": True, "bucket_cap_mb": 0.001}),
+    "static_no_sync": Scenario(MLPWithUnused, micro_steps=3, ddp_kwargs={"static_graph": True}),
+    "static_bucket_view": Scenario(BranchMLP, loss=extra_head_loss, per_rank_reference=True,
+                                   ddp_kwargs={"static_graph": True,
+                                               "gradient_as_bucket_view": True}),
+    "static_reentrant_twice": Scenario(ReentrantTwice, ddp_kwargs={"static_graph": True}),
+    "reentrant_head": Scenario(ReentrantHead),
+    "penalty": Scenario(MLP, loss=penalty_loss, per_rank_reference=True),
+    "static_penalty": Scenario(MLPWithUnused, loss=penalty_loss, per_rank_reference=True,
+                               ddp_kwargs={"static_graph": True}),
     "frozen": Scenario(frozen_mlp),
     "channels_last": Scenario(channels_last_convnet, batch=image_batch),
     "odd_sizes": Scenario(OddSizes, batch=odd_batch),
