@@ -413,9 +413,31 @@ static dptc_status device_submit(ReducerObject *r, dptc_group *g, dptc_coll *col
     return status;
 }
 
+/* Runs coll for bucket b on this thread, the GIL released, as a blocking
+ * collective does (see [Note: overlap]); work that did not complete stays
+ * in b->work for step_end.  GIL held. */
+static dptc_status bucket_run(dptc_group *g, bucket *b, const dptc_coll *coll, dptc_error *err)
+{
+    dptc_status status;
+    dptc_watch watch;
+    dptc_watch_signals(&watch);
+    Py_BEGIN_ALLOW_THREADS
+    status = dptc_group_run(g, 0, coll, &b->work, err);
+    Py_END_ALLOW_THREADS
+    return dptc_unwatch_signals(&watch, status, err);
+}
+
+/* Submits coll for bucket b, or with `here` runs it on this thread.  GIL
+ * held. */
+static dptc_status bucket_start(dptc_group *g, bucket *b, const dptc_coll *coll, int here,
+                                dptc_error *err)
+{
+    return here ? bucket_run(g, b, coll, err) : dptc_group_submit(g, 0, coll, &b->work, err);
+}
+
 /* The all-reduce of bucket b over its members' pieces.  GIL held. */
 static dptc_status bucket_submit_pieces(ReducerObject *r, dptc_group *g, bucket *b,
-                                        dptc_coll *coll, dptc_error *err)
+                                        dptc_coll *coll, int here, dptc_error *err)
 {
     size_t n = (size_t)b->nmembers;
     void *pieces = PyMem_Malloc(n * (sizeof(void *) + sizeof(size_t)) + 1);
@@ -434,7 +456,7 @@ static dptc_status bucket_submit_pieces(ReducerObject *r, dptc_group *g, bucket 
     coll->outputs = outputs;
     coll->output_counts = counts;
     /* The work copies the arrays. */
-    dptc_status status = dptc_group_submit(g, 0, coll, &b->work, err);
+    dptc_status status = bucket_start(g, b, coll, here, err);
     PyMem_Free(pieces);
     if (status == DPTC_OK)
         r->launched_in_place++;
@@ -512,8 +534,9 @@ static dptc_status bucket_finish_python(ReducerObject *r, bucket *b)
     return bucket_close_range(r, b);
 }
 
-/* Submits bucket b's all-reduce.  GIL held. */
-static dptc_status bucket_launch(ReducerObject *r, bucket *b, dptc_error *err)
+/* Submits bucket b's all-reduce, or with `here` runs it on this thread
+ * (not through a Python hook or on a device).  GIL held. */
+static dptc_status bucket_launch(ReducerObject *r, bucket *b, int here, dptc_error *err)
 {
     if (b->count == 0)
         return DPTC_OK;
@@ -530,7 +553,7 @@ static dptc_status bucket_launch(ReducerObject *r, bucket *b, dptc_error *err)
      * None here, a non-contiguous one): every rank takes the pieces, so that
      * all issue the same collective. */
     if (reduces_in_place(r))
-        return bucket_submit_pieces(r, g, b, &coll, err);
+        return bucket_submit_pieces(r, g, b, &coll, here, err);
     if (r->device) {
         /* See [Note: buckets on a device]. */
         if (b->comm_tensor) {
@@ -549,7 +572,7 @@ static dptc_status bucket_launch(ReducerObject *r, bucket *b, dptc_error *err)
         coll.dtype = b->comm_dtype;
         coll.input = coll.output = b->comm_data;
     }
-    return dptc_group_submit(g, 0, &coll, &b->work, err);
+    return bucket_start(g, b, &coll, here, err);
 }
 
 /* [Note: overlap]
@@ -565,7 +588,11 @@ static dptc_status bucket_launch(ReducerObject *r, bucket *b, dptc_error *err)
  * scatter by a few percent either way).  ddp.py chooses: overlap = False
  * where a CPU group's node has fewer than two cores per local rank, unless
  * DPTC_DDP_OVERLAP says otherwise.  The buckets, their order and the numbers
- * are the same either way. */
+ * are the same either way.  Without overlap the end-of-backward launches run
+ * each bucket on the calling thread (bucket_run), as a blocking collective
+ * does, not on the progress thread: the thread that wrote the gradients
+ * reduces them, and the optimizer that reads them next finds them in its
+ * own core's cache rather than in the core the progress thread ran on. */
 
 /* Submits every full bucket from next_launch on, stopping at the first one
  * that is not full; during backward (at_end = 0) only with overlap.  GIL
@@ -575,7 +602,7 @@ static dptc_status launch_ready_buckets(ReducerObject *r, int at_end, dptc_error
     if (!at_end && !r->overlap)
         return DPTC_OK;
     while (r->next_launch < r->nbuckets && r->buckets[r->next_launch].pending == 0) {
-        CHECK(bucket_launch(r, &r->buckets[r->next_launch], err));
+        CHECK(bucket_launch(r, &r->buckets[r->next_launch], at_end && !r->overlap, err));
         r->next_launch++;
         if (at_end)
             r->launched_at_end++;
@@ -1130,9 +1157,10 @@ static dptc_status bucket_complete(ReducerObject *r, bucket *b, double timeout, 
             b->work = NULL;
         } /* else step_end leaks the bucket (see [Note: gradient bucket lifetime]) */
         CHECK(status);
-        if (b->comm_tensor)
-            CHECK(dptc_convert(b->data, b->dtype, b->comm_data, b->comm_dtype, b->count, err));
     }
+    /* Launched, and done: submitted and waited for above, or run at launch. */
+    if (b->comm_tensor)
+        CHECK(dptc_convert(b->data, b->dtype, b->comm_data, b->comm_dtype, b->count, err));
     for (Py_ssize_t k = 0; k < b->nmembers; k++) {
         Py_ssize_t i = b->members[k];
         param_slot *s = &r->slots[i];
