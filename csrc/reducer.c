@@ -1938,15 +1938,23 @@ static PyObject *reducer_get_overlap(PyObject *op, void *Py_UNUSED(closure))
     return PyBool_FromLong(((ReducerObject *)op)->overlap);
 }
 
+/* The truth of a boolean attribute's new value, or -1 with an exception set
+ * (also for deleting it). */
+static int setting_truth(PyObject *value, const char *name)
+{
+    if (!value) {
+        PyErr_Format(PyExc_AttributeError, "Reducer.%s cannot be deleted", name);
+        return -1;
+    }
+    return PyObject_IsTrue(value);
+}
+
 static int reducer_set_overlap(PyObject *op, PyObject *value, void *Py_UNUSED(closure))
 {
     ReducerObject *r = (ReducerObject *)op;
-    int on = value ? PyObject_IsTrue(value) : -1;
-    if (on < 0) {
-        if (!value)
-            PyErr_SetString(PyExc_AttributeError, "Reducer.overlap cannot be deleted");
+    int on = setting_truth(value, "overlap");
+    if (on < 0)
         return -1;
-    }
     if (r->state == STEP_REDUCING) {
         PyErr_SetString(PyExc_RuntimeError, "Reducer.overlap cannot change during a backward");
         return -1;
@@ -1964,12 +1972,9 @@ static PyObject *reducer_get_static_graph(PyObject *op, void *Py_UNUSED(closure)
 static int reducer_set_static_graph(PyObject *op, PyObject *value, void *Py_UNUSED(closure))
 {
     ReducerObject *r = (ReducerObject *)op;
-    int on = value ? PyObject_IsTrue(value) : -1;
-    if (on < 0) {
-        if (!value)
-            PyErr_SetString(PyExc_AttributeError, "Reducer.static_graph cannot be deleted");
+    int on = setting_truth(value, "static_graph");
+    if (on < 0)
         return -1;
-    }
     if (r->steps > 0 || r->state != STEP_IDLE) {
         PyErr_SetString(PyExc_RuntimeError, "static_graph can only be set before the first "
                                             "synced forward and backward");

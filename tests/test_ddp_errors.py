@@ -380,15 +380,22 @@ def lifecycle_case():
 def unused_case(impl, unused_on, steps=3):
     """Trains _MaybeUnused (skipping `unused` on the ranks in unused_on) without
     find_unused_parameters; returns the first error: step, phase, type, message, seconds."""
-    from tests._rank import start_clock
     _init(impl)
     torch.manual_seed(0)
     ddp = _ddp_class(impl)(_MaybeUnused(skip_on=unused_on))
+    return _train_until_error(ddp, steps)
+
+
+def _train_until_error(ddp, steps, before_step=lambda step: None):
+    """SGD steps on random batches until one raises; returns where and what (step, phase,
+    seconds since the clock started, type, message, mro), or {"raised": False}."""
+    from tests._rank import start_clock
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
     outcome = {"raised": False}
     start_clock()
     began = time.perf_counter()
     for step in range(steps):
+        before_step(step)
         phase = "forward"
         try:
             output = ddp(torch.randn(4, 8))
@@ -426,31 +433,11 @@ class _Changing(nn.Module):
 
 def static_change_case(change, steps=3):
     """Trains _Changing under static_graph=True; returns the first error as unused_case does."""
-    from tests._rank import start_clock
     _init("dptc")
     torch.manual_seed(0)
     model = _Changing((lambda step: step >= 1) if change == "more" else (lambda step: step == 0))
     ddp = _ddp_class("dptc")(model, static_graph=True)
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    outcome = {"raised": False}
-    start_clock()
-    began = time.perf_counter()
-    for step in range(steps):
-        model.step = step
-        phase = "forward"
-        try:
-            output = ddp(torch.randn(4, 8))
-            phase = "backward"
-            output.square().mean().backward()
-            phase = "step"
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        except Exception as error:  # noqa: BLE001 - the error is the result
-            outcome = {"raised": True, "step": step, "phase": phase,
-                       "seconds": time.perf_counter() - began, **_describe(error)}
-            break
-    _finish()
-    return outcome
+    return _train_until_error(ddp, steps, before_step=lambda step: setattr(model, "step", step))
 
 
 def interrupted_case():
