@@ -296,6 +296,8 @@ SCENARIOS = {
                                                "gradient_as_bucket_view": True}),
     "static_reentrant_twice": Scenario(ReentrantTwice, ddp_kwargs={"static_graph": True}),
     "reentrant_head": Scenario(ReentrantHead),
+    "reentrant_head_unused": Scenario(ReentrantHead,
+                                      ddp_kwargs={"find_unused_parameters": True}),
     "penalty": Scenario(MLP, loss=penalty_loss, per_rank_reference=True),
     "static_penalty": Scenario(MLPWithUnused, loss=penalty_loss, per_rank_reference=True,
                                ddp_kwargs={"static_graph": True}),
