@@ -257,8 +257,6 @@ struct ReducerObject {
                                   the end, see [Note: a step's scale] */
     Py_ssize_t next_launch;    /* first bucket not yet submitted */
     Py_ssize_t hooks_seen;     /* gradient hooks fired in this synced backward */
-    int unused_marked;         /* static_graph: this rank's unused parameters are
-                                  marked ready */
     Py_ssize_t open_ranges;    /* buckets whose range is open: while 0, hooks
                                   look for no completions */
     uint8_t *used_map;         /* nslots bytes, reduced by the engine thread */
@@ -701,7 +699,6 @@ static void step_end(ReducerObject *r)
     }
     r->next_launch = 0;
     r->hooks_seen = 0;
-    r->unused_marked = 0;
     r->scale = 1.0;
     r->state = STEP_IDLE;
 }
@@ -891,7 +888,6 @@ static dptc_status slot_mark_ready_as_is(ReducerObject *r, Py_ssize_t i, int sav
  * graph]).  GIL held. */
 static dptc_status mark_static_unused(ReducerObject *r, dptc_error *err)
 {
-    r->unused_marked = 1;
     for (Py_ssize_t i = 0; i < r->nslots; i++)
         if (r->slots[i].expected == 0 && !r->slots[i].ready)
             CHECK(slot_mark_ready_as_is(r, i, !r->used_map[i], 0, err));
@@ -965,7 +961,7 @@ static PyObject *reducer_on_gradient(ReducerObject *r, Py_ssize_t index)
         /* See [Note: static graph]: the first synced backward only counts. */
         s->fired++;
         ready = r->counted && s->fired == s->expected;
-        if (r->counted && !r->unused_marked)
+        if (r->counted && r->hooks_seen == 1)  /* this backward's first hook */
             status = mark_static_unused(r, &err);
     }
     if (ready && status == DPTC_OK) {
