@@ -12,7 +12,7 @@ from tests._launch import REPO_ROOT, run_torchrun_nodes
 SCRIPT = REPO_ROOT / "tests" / "scripts" / "seed_fsdp.py"
 SNIPPETS = ["fsdp1_mixed_precision", "fully_shard_mesh", "checkpoint_blocks",
             "no_sync_accumulation"]
-FLOAT32_TOLERANCE = 1e-4
+FLOAT32_TOLERANCE = 5e-4
 SAME = 1e-6
 _runs = {}
 
@@ -49,8 +49,10 @@ def test_snippets_train_as_torchs(tmp_path):
     """Each snippet, with dptc's imports, exits cleanly and trains exactly as with torch's:
     losses and sampled parameters (every 7th value) within 1e-6 of torch's run (measured:
     identical; 2-rank float32 sums are exact either way).  The float32 snippets also match
-    single-process training on the whole batch within 1e-4: fp32 rounding of a different
-    summation order, amplified by AdamW (measured 6e-5 for dptc and torch alike; float64
+    single-process training on the whole batch within 5e-4: fp32 rounding of a different
+    summation order, amplified by AdamW, whose first steps move a parameter by about lr
+    whatever its gradient's size, so a gradient that is rounding noise can flip its step
+    (measured 6e-5 on one CPU and 1.3e-4 on another, for dptc and torch alike; float64
     equivalence at 1e-10 is tests/test_fsdp1.py's and tests/test_fsdp.py's)."""
     mine, theirs = _results("dptc", tmp_path), _results("torch", tmp_path)
     for key in sorted(mine):
