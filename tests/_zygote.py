@@ -22,14 +22,17 @@ another thread running, and the process exits), "started <pid>" for every reques
 signal).  The process exits when the request pipe closes.
 """
 
+import gc
 import json
 import os
 import runpy
 import select
 import sys
 
-# The point: imported once, before the forks (what the workers import, dynamo aside).
+# The point: imported once, before the forks (what the workers import; DTensor imports
+# dynamo on first use, 0.6 s of CPU per rank).
 import torch  # noqa: F401
+import torch._dynamo  # noqa: F401
 import torch.distributed  # noqa: F401
 import torch.distributed.checkpoint  # noqa: F401
 import torch.distributed.fsdp  # noqa: F401
@@ -75,6 +78,10 @@ def serve(request, reply):
     if threads != 1:
         os.write(reply, f"unsafe: {threads} threads\n".encode())
         os._exit(0)
+    # The imports' ~300k objects live as long as the process: frozen out of the collector, a
+    # child's full collection (gc.collect() before a memory reading, or the automatic ones)
+    # scans only its own objects, microseconds instead of 0.15 s.
+    gc.freeze()
     os.write(reply, b"ready\n")
     while True:
         readable, _, _ = select.select([request], [], [], POLL_S)
