@@ -69,10 +69,11 @@ TOLERANCES = {
 ALL_SCENARIOS = [
     "default", "tiny_buckets", "bucket_view", "no_sync", "sync_attribute", "unused_global",
     "rank_branch", "rank_extra_head", "tied_gpt", "frozen", "channels_last", "odd_sizes",
-    "rank_init", "buffers", "static_unused", "static_rank_branch", "static_no_sync",
-    "static_bucket_view", "static_reentrant_twice", "reentrant_head", "reentrant_head_unused",
-    "penalty", "static_penalty", "autocast_bf16", "amp_scaler", "hook_allreduce", "hook_fp16", "hook_bf16",
-    "hook_allreduce_own", "hook_fp16_own", "hook_bf16_own",
+    "rank_init", "buffers", "static_unused", "set_static_unused", "static_rank_branch",
+    "static_no_sync", "static_bucket_view", "static_reentrant_twice", "reentrant_head",
+    "reentrant_head_unused", "penalty", "static_penalty", "autocast_bf16", "amp_scaler",
+    "hook_allreduce", "hook_fp16", "hook_bf16", "hook_allreduce_own", "hook_fp16_own",
+    "hook_bf16_own",
 ]
 
 
@@ -98,9 +99,10 @@ class Group:
 GROUPS = {
     "a": Group(2, True, ("default", "tiny_buckets", "bucket_view", "no_sync", "sync_attribute",
                          "unused_global", "rank_branch", "rank_extra_head", "tied_gpt",
-                         "static_unused", "static_rank_branch", "static_no_sync",
-                         "static_bucket_view", "static_reentrant_twice", "reentrant_head",
-                         "reentrant_head_unused", "penalty", "static_penalty")),
+                         "static_unused", "set_static_unused", "static_rank_branch",
+                         "static_no_sync", "static_bucket_view", "static_reentrant_twice",
+                         "reentrant_head", "reentrant_head_unused", "penalty",
+                         "static_penalty")),
     "b": Group(2, False, ("frozen", "channels_last", "odd_sizes", "rank_init", "buffers",
                           "autocast_bf16", "amp_scaler", "hook_allreduce", "hook_fp16",
                           "hook_bf16",
@@ -209,8 +211,8 @@ def test_matches_single_process(impl, group, name):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("name", ["unused_global", "static_unused", "static_no_sync",
-                                  "static_reentrant_twice"])
+@pytest.mark.parametrize("name", ["unused_global", "static_unused", "set_static_unused",
+                                  "static_no_sync", "static_reentrant_twice"])
 def test_unused_parameter_keeps_grad_none(impl, name):
     """find_unused_parameters=True, or static_graph=True, and a layer no rank uses: its .grad
     stays None (torch does not write the reduced zeros into it), so AdamW skips it, weight

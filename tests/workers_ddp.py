@@ -271,6 +271,7 @@ class Scenario:
     hook: Optional[str] = None           # "allreduce", "fp16_compress", "bf16_compress"
     hook_source: str = "torch"           # "torch": torch's default_hooks; "impl": the impl's own
     eval_forward: bool = False           # one more forward in eval mode after training
+    set_static_graph: bool = False       # ddp._set_static_graph() after construction
 
 
 SCENARIOS = {
@@ -291,6 +292,8 @@ SCENARIOS = {
     "static_rank_branch": Scenario(BranchMLP, loss=branch_loss, per_rank_reference=True,
                                    ddp_kwargs={"static_graph": True, "bucket_cap_mb": 0.001}),
     "static_no_sync": Scenario(MLPWithUnused, micro_steps=3, ddp_kwargs={"static_graph": True}),
+    # The older spelling, DDP._set_static_graph() before the first step.
+    "set_static_unused": Scenario(MLPWithUnused, set_static_graph=True),
     "static_bucket_view": Scenario(BranchMLP, loss=extra_head_loss, per_rank_reference=True,
                                    ddp_kwargs={"static_graph": True,
                                                "gradient_as_bucket_view": True}),
@@ -452,6 +455,8 @@ def run_scenario(name, impl, rank, world_size):
     reference = scenario.build()
 
     ddp = wrapper(inner, **scenario.ddp_kwargs)
+    if scenario.set_static_graph:
+        ddp._set_static_graph()
     if scenario.hook is not None:
         ddp.register_comm_hook(None, _hook(impl, scenario.hook, scenario.hook_source))
     optimizer = _adamw(ddp.parameters())
