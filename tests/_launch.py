@@ -32,7 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
-__all__ = ["REPO_ROOT", "run_ranks", "run_torchrun_nodes", "free_port", "rank_env"]
+__all__ = ["REPO_ROOT", "run_ranks", "run_torchrun_nodes", "run_python", "free_port",
+           "rank_env"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -342,13 +343,14 @@ class _ProcessTree:
             self._known[proc.pid] = stat[1]
         return proc
 
-    def start_rank(self, argv, env, stdout, stderr):
-        """A rank process: forked by the zygote where its environment allows, else started
-        as `python <argv...>`."""
+    def start_python(self, argv, env, stdout, stderr):
+        """`python <argv...>` (argv starts with -m or -c), forked by the zygote where its
+        environment allows, else started as a fresh interpreter."""
         zygote = _Zygote.get()
-        if zygote is not None and argv[0] == "-m" and zygote.forkable(env):
+        if zygote is not None and argv[0] in ("-m", "-c") and zygote.forkable(env):
             try:
-                pid = zygote.spawn(argv[1:], env, REPO_ROOT, stdout, stderr)
+                pid = zygote.spawn(argv[1:] if argv[0] == "-m" else argv, env, REPO_ROOT,
+                                   stdout, stderr)
             except (OSError, RuntimeError):
                 _Zygote._instance, _Zygote._failed = None, True
             else:
@@ -551,7 +553,7 @@ def _run_ranks_once(target, world_size, args_json, timeout, nnodes, env, expect_
         started = time.monotonic()
         for rank in range(world_size):
             result_path = workdir / f"result-{rank}.json"
-            tree.start_rank(["-m", "tests._rank", target, args_json, str(result_path)],
+            tree.start_python(["-m", "tests._rank", target, args_json, str(result_path)],
                             rank_env(rank, world_size, nnodes=nnodes, master_port=port,
                                      env=env),
                             workdir / f"stdout-{rank}.txt", workdir / f"stderr-{rank}.txt")
@@ -630,10 +632,9 @@ def run_torchrun_nodes(script_args: list, nnodes: int = 2, nproc_per_node: int =
             argv = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
                     f"--node_rank={node}", "--master_addr=127.0.0.1", f"--master_port={port}",
                     f"--nproc_per_node={nproc_per_node}", *map(str, script_args)]
-            with open(workdir / f"stdout-{node}.txt", "wb") as out, \
-                    open(workdir / f"stderr-{node}.txt", "wb") as err:
-                tree.start(argv, cwd=REPO_ROOT, stdin=subprocess.DEVNULL, stdout=out,
-                           stderr=err, env=base)
+            # The agent forks from the zygote (it imports torch too); its workers are its own.
+            tree.start_python(argv[1:], base, workdir / f"stdout-{node}.txt",
+                              workdir / f"stderr-{node}.txt")
         # A node that fails leaves the other waiting for it; torchrun gets SIGTERM (it stops its
         # workers), and whatever survives is killed below.
         timed_out, _ = _supervise(tree, started + timeout, TORCHRUN_FAILURE_GRACE_S,
@@ -660,3 +661,43 @@ def run_torchrun_nodes(script_args: list, nnodes: int = 2, nproc_per_node: int =
     if problems:
         raise AssertionError("\n\n".join(problems))
     return outputs
+
+
+# ---------------------------------------------------------------------------------------------
+# One process
+
+def run_python(args: list, *, env: dict | None = None, timeout: float = 90) -> tuple:
+    """Runs `python <args...>` (args start with -m or -c) from the repo root in its own process.
+
+    The environment is the harness's (the repo root on PYTHONPATH, OMP_NUM_THREADS=1,
+    DPTC_TIMEOUT=30, no launcher variables) with `env` applied last (None removes a variable);
+    the process is forked from the zygote when that leaves it unchanged, as a rank is.  Returns
+    (returncode, stdout, stderr).  Past `timeout` the process and everything it started are
+    killed and AssertionError is raised with its output tails; a /dev/shm/dptc* entry it left
+    behind is removed and reported the same way.
+    """
+    shm_before = _shm_entries()
+    workdir = Path(tempfile.mkdtemp(prefix="python-"))
+    tree = _ProcessTree()
+    problems = []
+    try:
+        proc = tree.start_python(list(map(str, args)), _apply_overrides(_base_env(), env),
+                                 workdir / "stdout.txt", workdir / "stderr.txt")
+        timed_out, _ = _supervise(tree, time.monotonic() + timeout, None)
+        tree.kill_all()
+        out = (workdir / "stdout.txt").read_text("utf-8", "replace")
+        err = (workdir / "stderr.txt").read_text("utf-8", "replace")
+        if timed_out:
+            problems.append(f"python {' '.join(map(str, args))[:200]} did not finish within "
+                            f"{timeout} s:\nstdout:\n{out[-2000:]}\n"
+                            f"stderr:\n{err[-STDERR_TAIL_CHARS:]}")
+    finally:
+        tree.kill_all()
+        leaked = _remove_new_shm(shm_before)
+        shutil.rmtree(workdir, ignore_errors=True)
+    if leaked:
+        problems.append("the process left shared memory behind (now removed): "
+                        + ", ".join(str(SHM_DIR / name) for name in leaked))
+    if problems:
+        raise AssertionError("\n\n".join(problems))
+    return proc.returncode, out, err

@@ -16,6 +16,8 @@ LD_PRELOAD for instance, gets a real exec.
 
 Requests are JSON lines on <request fd>:
     {"argv": [...], "env": {...}, "cwd": path, "stdout": path, "stderr": path}
+where argv is what follows `python -m`: a module and its arguments, or "-c", the code and its
+arguments (a child that runs `python -c <code>`).
 Replies on <reply fd>, one line each: "ready" first (or "unsafe: ..." if the imports left
 another thread running, and the process exits), "started <pid>" for every request, in order, and
 "exit <pid> <code>" when a child ends (the code as subprocess reports it: negative for a
@@ -28,6 +30,7 @@ import os
 import runpy
 import select
 import sys
+import types
 
 # The point: imported once, before the forks (what the workers import; DTensor imports
 # dynamo on first use, 0.6 s of CPU per rank).
@@ -105,6 +108,14 @@ def serve(request, reply):
 def main():
     request, reply = int(sys.argv[1]), int(sys.argv[2])
     job = serve(request, reply)
+    if job["argv"][0] == "-c":
+        # `python -c <code> <args...>`: the code runs as __main__, sys.argv[0] is "-c".
+        code, args = job["argv"][1], job["argv"][2:]
+        sys.argv = ["-c"] + args
+        main_module = types.ModuleType("__main__")
+        sys.modules["__main__"] = main_module
+        exec(compile(code, "<string>", "exec"), main_module.__dict__)
+        return
     # The rank process proper: `python -m <module> <args...>`, exiting as that would.
     module, args = job["argv"][0], job["argv"][1:]
     sys.argv = [module] + args

@@ -25,14 +25,12 @@ import pytest
 import dptc
 from dptc import _cuda
 from tests._cc import c_compiler
-from tests._launch import REPO_ROOT, run_torchrun_nodes
+from tests._launch import run_python, run_torchrun_nodes
 
 TIMEOUT_S = 90
 TORCHRUN_TIMEOUT_S = 150
 MISSING_NCCL = "/nonexistent/libnccl.so.2"
 MISSING_CUDART = "/nonexistent/libcudart.so.12"
-_LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                     "MASTER_ADDR", "MASTER_PORT")
 
 NCCL_FUNCTIONS = ("ncclGetVersion", "ncclGetUniqueId", "ncclCommInitRank",
                   "ncclCommInitRankConfig", "ncclCommAbort", "ncclCommDestroy",
@@ -60,21 +58,16 @@ STUB_BODIES = {
 # Helpers
 
 def _env(**overrides):
-    """A clean environment for a child: no launcher variables, no library overrides."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in _LAUNCH_VARIABLES and not k.startswith("TORCHELASTIC")
-           and k not in (_cuda.NCCL_ENV, _cuda.CUDART_ENV)}
-    env.update(PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1", DPTC_TIMEOUT="30",
-               PYTHONFAULTHANDLER="1")
+    """A child's environment on top of the harness's: no library overrides unless given."""
+    env = {_cuda.NCCL_ENV: None, _cuda.CUDART_ENV: None}
     env.update({k: str(v) for k, v in overrides.items()})
     return env
 
 
 def _python(args, env):
-    """Runs `python args...` from the repo root; returns (returncode, stdout, stderr)."""
-    done = subprocess.run([sys.executable, *args], cwd=REPO_ROOT, env=env, capture_output=True,
-                          text=True, timeout=TIMEOUT_S)
-    return done.returncode, done.stdout, done.stderr
+    """Runs `python args...` from the repo root (forked from the test zygote, which has imported
+    torch but no CUDA library); returns (returncode, stdout, stderr)."""
+    return run_python(args, env=env, timeout=TIMEOUT_S)
 
 
 def _run_json(*code, **env):

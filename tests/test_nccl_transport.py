@@ -12,13 +12,12 @@ benchmarks/gpu_check.py's.
 import json
 import os
 import subprocess
-import sys
 import textwrap
 
 import pytest
 
 from tests._cc import c_compiler
-from tests._launch import REPO_ROOT
+from tests._launch import REPO_ROOT, run_python
 
 TIMEOUT_S = 90
 FAKE_SOURCE = REPO_ROOT / "tests" / "c" / "fake_cuda.c"
@@ -71,13 +70,13 @@ def fake(tmp_path_factory):
 
 
 def _run(fake, code):
-    env = dict(os.environ, DPTC_NCCL_LIBRARY=fake, DPTC_CUDART_LIBRARY=fake,
-               PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(PRELUDE) + textwrap.dedent(code)],
-                          cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                          timeout=TIMEOUT_S)
-    assert done.returncode == 0, f"child failed ({done.returncode}):\n{done.stdout}\n{done.stderr}"
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    """Runs PRELUDE and `code` in a process of its own (forked from the test zygote, which has
+    loaded no CUDA library); returns the JSON object the code printed last."""
+    rc, out, err = run_python(["-c", textwrap.dedent(PRELUDE) + textwrap.dedent(code)],
+                              env={"DPTC_NCCL_LIBRARY": fake, "DPTC_CUDART_LIBRARY": fake},
+                              timeout=TIMEOUT_S)
+    assert rc == 0, f"child failed ({rc}):\n{out}\n{err}"
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def test_collectives_issue_in_order_after_the_callers_stream(fake):
