@@ -12,7 +12,7 @@ command line).  Both promise the same hygiene, whatever happens:
 
 The rank-side half lives in tests/_rank.py.  Rank processes are forked from tests/_zygote.py,
 which imported torch once, when their environment differs from the harness's only in variables
-read at run time (see _Zygote.forkable); otherwise, and with DPTC_TEST_ZYGOTE=0, each is a
+read at run time (see _Zygote.unforkable); otherwise, and with DPTC_TEST_ZYGOTE=0, each is a
 fresh `python -m tests._rank`.  Segments of runs that go on concurrently on the same
 machine are told apart from leaks by being mapped or short-lived (see _remove_new_shm); still,
 run the suite serially (no pytest-xdist).
@@ -20,6 +20,7 @@ run the suite serially (no pytest-xdist).
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import select
@@ -50,6 +51,12 @@ SHM_DIR = Path("/dev/shm")
 SHM_PREFIX = "dptc"
 # How long a new, unmapped /dev/shm/dptc* entry may take to disappear before it counts as leaked.
 SHM_SETTLE_S = 2.0
+# Variables besides the launch variables, DPTC_*, TORCHELASTIC_* and PYTEST_* that torch reads
+# only when it uses them, not at import: a rank forked from the zygote sees them as set.
+_RUN_TIME_VARIABLES = ("TORCHINDUCTOR_CACHE_DIR",)
+# How the harness started each python process, "forked from the zygote" or "fresh (why)": the
+# suite's summary reports it (tests/conftest.py), since a fresh start costs seconds.
+PYTHON_STARTS = collections.Counter()
 # Lower-case text of the error a TCP store reports when its port was taken meanwhile.
 _ADDRESS_IN_USE = "address already in use"
 
@@ -252,14 +259,18 @@ class _Zygote:
             self.proc.kill()
             raise RuntimeError("the test zygote did not start")
 
-    def forkable(self, env: dict) -> bool:
-        """Whether `env` differs from the zygote's only in what is read after the imports
-        (pytest's PYTEST_CURRENT_TEST changes with every test)."""
-        changed = {key for key in env.keys() | self.env.keys()
-                   if env.get(key) != self.env.get(key)}
-        return self.proc.poll() is None and all(
-            key in _LAUNCH_VARIABLES or key.startswith(("DPTC_", "TORCHELASTIC_", "PYTEST_"))
-            for key in changed)
+    def unforkable(self, env: dict) -> str | None:
+        """Why a process with `env` cannot be forked from the zygote, or None when `env`
+        differs from the zygote's only in what is read after the imports (pytest's
+        PYTEST_CURRENT_TEST changes with every test; inductor's first cache lookup in this
+        process sets TORCHINDUCTOR_CACHE_DIR, which it reads at every lookup)."""
+        if self.proc.poll() is not None:
+            return "the zygote exited"
+        changed = sorted(key for key in env.keys() | self.env.keys()
+                         if env.get(key) != self.env.get(key)
+                         and key not in _LAUNCH_VARIABLES and key not in _RUN_TIME_VARIABLES
+                         and not key.startswith(("DPTC_", "TORCHELASTIC_", "PYTEST_")))
+        return f"{', '.join(changed)} differ" if changed else None
 
     def spawn(self, argv, env, cwd, stdout, stderr) -> int:
         job = {"argv": argv, "env": env, "cwd": str(cwd), "stdout": str(stdout),
@@ -347,14 +358,23 @@ class _ProcessTree:
         """`python <argv...>` (argv starts with -m or -c), forked by the zygote where its
         environment allows, else started as a fresh interpreter."""
         zygote = _Zygote.get()
-        if zygote is not None and argv[0] in ("-m", "-c") and zygote.forkable(env):
+        if zygote is None:
+            why = "no zygote"
+        elif argv[0] not in ("-m", "-c"):
+            why = f"argv {argv[0]}"
+        else:
+            why = zygote.unforkable(env)
+        if why is None:
             try:
                 pid = zygote.spawn(argv[1:] if argv[0] == "-m" else argv, env, REPO_ROOT,
                                    stdout, stderr)
-            except (OSError, RuntimeError):
+            except (OSError, RuntimeError) as error:
                 _Zygote._instance, _Zygote._failed = None, True
+                why = f"the zygote failed: {error}"
             else:
+                PYTHON_STARTS["forked from the zygote"] += 1
                 return self._track(_ForkedRank(zygote, pid))
+        PYTHON_STARTS[f"fresh ({why})"] += 1
         with open(stdout, "wb") as out, open(stderr, "wb") as err:
             return self.start([sys.executable, *argv], cwd=REPO_ROOT,
                               stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env)

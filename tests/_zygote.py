@@ -10,8 +10,8 @@ working directory, stdin (/dev/null), stdout and stderr files, and sys.argv; the
 itself is imported fresh in the child, which exits through the interpreter's normal shutdown.
 
 Only environments the imports cannot have seen differently are forked (the harness decides,
-see _Zygote.forkable in tests/_launch.py): the launch variables, DPTC_*, TORCHELASTIC_* and
-PYTEST_*, which are read at run time.  Anything else, a different OMP_NUM_THREADS or
+see _Zygote.unforkable in tests/_launch.py): the launch variables, DPTC_*, TORCHELASTIC_*,
+PYTEST_* and TORCHINDUCTOR_CACHE_DIR, which are read at run time.  Anything else, a different OMP_NUM_THREADS or
 LD_PRELOAD for instance, gets a real exec.
 
 Requests are JSON lines on <request fd>:

@@ -7,6 +7,8 @@
   @pytest.mark.parametrize("impl", ["dptc"]).  Nothing is skipped when dptc is missing: its
   cases fail with the import error.  Ranks receive the name and build the API themselves with
   tests._rank.load_impl(impl).
+- The summary reports how the harness started its python processes: forked from the test
+  zygote, or fresh and why (each fresh start imports torch again, seconds on this machine).
 - Run the suite serially: the harness checks /dev/shm/dptc* around every run, and runs in
   parallel would see each other's segments.
 """
@@ -27,3 +29,10 @@ from tests._rank import IMPLS  # noqa: E402
 def impl(request) -> str:
     """The implementation under test: "torch" or "dptc"."""
     return request.param
+
+
+def pytest_terminal_summary(terminalreporter):
+    from tests._launch import PYTHON_STARTS
+    if PYTHON_STARTS:
+        terminalreporter.write_line("python processes: " + "; ".join(
+            f"{count} {how}" for how, count in PYTHON_STARTS.most_common()))
