@@ -639,44 +639,55 @@ def run_torchrun_nodes(script_args: list, nnodes: int = 2, nproc_per_node: int =
     AssertionError is raised with their output tails.  A /dev/shm/dptc* entry left behind is
     removed and reported as an AssertionError.
     """
+    port = free_port()
+    argvs = [["-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--node_rank={node}",
+              "--master_addr=127.0.0.1", f"--master_port={port}",
+              f"--nproc_per_node={nproc_per_node}", *map(str, script_args)]
+             for node in range(nnodes)]
+    # Each agent forks from the zygote (it imports torch too); its workers are its own.  A node
+    # that fails leaves the others waiting for it; torchrun gets SIGTERM (it stops its workers),
+    # and whatever survives is killed.
+    return _run_processes(argvs, env, timeout, TORCHRUN_FAILURE_GRACE_S, (signal.SIGTERM, 2.0),
+                          f"torchrun {' '.join(map(str, script_args))} on {nnodes} nodes")
+
+
+def _run_processes(argvs: list, env: dict | None, timeout: float, grace: float | None,
+                   last_word: tuple, what: str) -> list:
+    """Runs `python <argv...>` for every argv at once (see _ProcessTree.start_python) from the
+    repo root, in the harness's environment with `env` applied last, and supervises them (see
+    _supervise: `grace` after the first failure, then `last_word`).
+
+    Returns [(returncode, stdout, stderr)] in argv order.  Past `timeout` everything is killed
+    and AssertionError is raised with every process's output tails; a /dev/shm/dptc* entry left
+    behind is removed and reported the same way.  `what` names the run in those messages.
+    """
     shm_before = _shm_entries()
-    workdir = Path(tempfile.mkdtemp(prefix="torchrun-"))
+    workdir = Path(tempfile.mkdtemp(prefix="python-"))
     tree = _ProcessTree()
     problems = []
     outputs = []
     try:
-        port = free_port()
         base = _apply_overrides(_base_env(), env)
-        started = time.monotonic()
-        for node in range(nnodes):
-            argv = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
-                    f"--node_rank={node}", "--master_addr=127.0.0.1", f"--master_port={port}",
-                    f"--nproc_per_node={nproc_per_node}", *map(str, script_args)]
-            # The agent forks from the zygote (it imports torch too); its workers are its own.
-            tree.start_python(argv[1:], base, workdir / f"stdout-{node}.txt",
-                              workdir / f"stderr-{node}.txt")
-        # A node that fails leaves the other waiting for it; torchrun gets SIGTERM (it stops its
-        # workers), and whatever survives is killed below.
-        timed_out, _ = _supervise(tree, started + timeout, TORCHRUN_FAILURE_GRACE_S,
-                                  last_word=(signal.SIGTERM, 2.0))
+        for index, argv in enumerate(argvs):
+            tree.start_python(list(map(str, argv)), base, workdir / f"stdout-{index}.txt",
+                              workdir / f"stderr-{index}.txt")
+        timed_out, _ = _supervise(tree, time.monotonic() + timeout, grace, last_word)
         tree.kill_all()
-        for node, proc in enumerate(tree.roots):
+        for index, proc in enumerate(tree.roots):
             outputs.append((proc.returncode,
-                            (workdir / f"stdout-{node}.txt").read_text("utf-8", "replace"),
-                            (workdir / f"stderr-{node}.txt").read_text("utf-8", "replace")))
+                            (workdir / f"stdout-{index}.txt").read_text("utf-8", "replace"),
+                            (workdir / f"stderr-{index}.txt").read_text("utf-8", "replace")))
         if timed_out:
-            problems.append(
-                f"torchrun {' '.join(map(str, script_args))} on {nnodes} nodes did not finish "
-                f"within {timeout} s:\n" + "\n".join(
-                    f"--- node {node}: {_describe_exit(code)}\nstdout:\n{out[-2000:]}\n"
-                    f"stderr:\n{err[-STDERR_TAIL_CHARS:]}"
-                    for node, (code, out, err) in enumerate(outputs)))
+            problems.append(f"{what[:200]} did not finish within {timeout} s:\n" + "\n".join(
+                f"--- process {index}: {_describe_exit(code)}\nstdout:\n{out[-2000:]}\n"
+                f"stderr:\n{err[-STDERR_TAIL_CHARS:]}"
+                for index, (code, out, err) in enumerate(outputs)))
     finally:
         tree.kill_all()
         leaked = _remove_new_shm(shm_before)
         shutil.rmtree(workdir, ignore_errors=True)
     if leaked:
-        problems.append("torchrun run left shared memory behind (now removed): "
+        problems.append(f"{what[:200]} left shared memory behind (now removed): "
                         + ", ".join(str(SHM_DIR / name) for name in leaked))
     if problems:
         raise AssertionError("\n\n".join(problems))
@@ -696,28 +707,5 @@ def run_python(args: list, *, env: dict | None = None, timeout: float = 90) -> t
     killed and AssertionError is raised with its output tails; a /dev/shm/dptc* entry it left
     behind is removed and reported the same way.
     """
-    shm_before = _shm_entries()
-    workdir = Path(tempfile.mkdtemp(prefix="python-"))
-    tree = _ProcessTree()
-    problems = []
-    try:
-        proc = tree.start_python(list(map(str, args)), _apply_overrides(_base_env(), env),
-                                 workdir / "stdout.txt", workdir / "stderr.txt")
-        timed_out, _ = _supervise(tree, time.monotonic() + timeout, None)
-        tree.kill_all()
-        out = (workdir / "stdout.txt").read_text("utf-8", "replace")
-        err = (workdir / "stderr.txt").read_text("utf-8", "replace")
-        if timed_out:
-            problems.append(f"python {' '.join(map(str, args))[:200]} did not finish within "
-                            f"{timeout} s:\nstdout:\n{out[-2000:]}\n"
-                            f"stderr:\n{err[-STDERR_TAIL_CHARS:]}")
-    finally:
-        tree.kill_all()
-        leaked = _remove_new_shm(shm_before)
-        shutil.rmtree(workdir, ignore_errors=True)
-    if leaked:
-        problems.append("the process left shared memory behind (now removed): "
-                        + ", ".join(str(SHM_DIR / name) for name in leaked))
-    if problems:
-        raise AssertionError("\n\n".join(problems))
-    return proc.returncode, out, err
+    return _run_processes([args], env, timeout, None, (signal.SIGUSR1, STACK_DUMP_WAIT_S),
+                          f"python {' '.join(map(str, args))}")[0]
