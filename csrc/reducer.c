@@ -242,6 +242,9 @@ struct ReducerObject {
     comm_mode comm;
     PyObject *launcher;        /* COMM_PYTHON: (bucket index) -> an object whose
                                   finish() writes the bucket's result (owned) */
+    PyObject *after_step;      /* () called at the end of every synced backward,
+                                  after the write-back (owned), or NULL: see
+                                  [Note: sparse gradients] in ddp.py */
 
     /* Parameters and buckets */
     param_slot *slots;
@@ -257,6 +260,7 @@ struct ReducerObject {
                                   the end, see [Note: a step's scale] */
     Py_ssize_t next_launch;    /* first bucket not yet submitted */
     Py_ssize_t hooks_seen;     /* gradient hooks fired in this synced backward */
+    Py_ssize_t sparse_seen;    /* sparse gradients noted in it (_note_sparse_gradient) */
     Py_ssize_t open_ranges;    /* buckets whose range is open: while 0, hooks
                                   look for no completions */
     uint8_t *used_map;         /* nslots bytes, reduced by the engine thread */
@@ -699,6 +703,7 @@ static void step_end(ReducerObject *r)
     }
     r->next_launch = 0;
     r->hooks_seen = 0;
+    r->sparse_seen = 0;
     r->scale = 1.0;
     r->state = STEP_IDLE;
 }
@@ -1336,15 +1341,20 @@ static PyObject *reducer_new(PyTypeObject *type, PyObject *args, PyObject *kwarg
 {
     static char *keywords[] = {"group", "params", "names", "dtypes", "queue_callback",
                                "find_unused_parameters", "gradient_as_bucket_view",
-                               "current_stream", "stage_used_map", "static_graph", NULL};
+                               "current_stream", "stage_used_map", "static_graph",
+                               "after_step", NULL};
     PyObject *group, *params, *names, *dtypes, *queue_callback, *stream_fn = Py_None;
-    PyObject *stage_fn = Py_None;
+    PyObject *stage_fn = Py_None, *after_step = Py_None;
     int find_unused, as_view, static_graph = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO!O!O!Opp|$OOp:Reducer", keywords, &group,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO!O!O!Opp|$OOpO:Reducer", keywords, &group,
                                      &PyList_Type, &params, &PyList_Type, &names, &PyList_Type,
                                      &dtypes, &queue_callback, &find_unused, &as_view,
-                                     &stream_fn, &stage_fn, &static_graph))
+                                     &stream_fn, &stage_fn, &static_graph, &after_step))
         return NULL;
+    if (after_step != Py_None && !PyCallable_Check(after_step)) {
+        PyErr_SetString(PyExc_TypeError, "Reducer: after_step must be None or a callable");
+        return NULL;
+    }
     dptc_module_state *st = dptc_state_from_type(type);
     if (!dptc_group_from_object(st, group, "group"))
         return NULL;
@@ -1375,6 +1385,7 @@ static PyObject *reducer_new(PyTypeObject *type, PyObject *args, PyObject *kwarg
     r->device = device;
     r->current_stream = device ? Py_NewRef(stream_fn) : NULL;
     r->stage_used_map = device && PyCallable_Check(stage_fn) ? Py_NewRef(stage_fn) : NULL;
+    r->after_step = after_step == Py_None ? NULL : Py_NewRef(after_step);
     /* static_graph finds the unused parameters itself, once. */
     r->find_unused = find_unused && !static_graph;
     r->static_graph = static_graph;
@@ -1715,7 +1726,7 @@ static PyObject *finalize_step(ReducerObject *r)
 {
     dptc_error err = {{0}};
     dptc_status status;
-    if (r->hooks_seen == 0) {
+    if (r->hooks_seen == 0 && r->sparse_seen == 0) {
         /* Queued by an output's pre-hook in a backward that reached no
          * parameter: see [Note: where finalize runs]. */
         r->state = STEP_EXPECTING;
@@ -1744,6 +1755,12 @@ static PyObject *finalize_step(ReducerObject *r)
         return step_fail(r, DPTC_ERR_PYTHON, &err);
     if (r->scale != 1.0 && scale_gradients(r) != DPTC_OK)
         return step_fail(r, DPTC_ERR_PYTHON, &err);
+    if (r->after_step) {
+        PyObject *done = PyObject_CallNoArgs(r->after_step);
+        if (!done)
+            return step_fail(r, DPTC_ERR_PYTHON, &err);
+        Py_DECREF(done);
+    }
     if (r->find_unused || counting)
         for (Py_ssize_t i = 0; i < r->nslots; i++)
             r->slots[i].used = 0;
@@ -1777,6 +1794,24 @@ static PyObject *reducer_expect_finalize(PyObject *op, PyObject *Py_UNUSED(args)
     ReducerObject *r = (ReducerObject *)op;
     if (r->state == STEP_EXPECTING && queue_finalize(r) != DPTC_OK)
         return NULL;
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(note_sparse_doc,
+"_note_sparse_gradient()\n--\n\n"
+"Hook of a parameter the reducer does not hold (a sparse gradient, see\n"
+"[Note: sparse gradients] in dptc/_sparse.py): in a synced backward, queues the\n"
+"finalize as the first gradient hook would and counts the backward as one that\n"
+"reached a parameter, so that after_step runs at its end.  Returns None.");
+
+static PyObject *reducer_note_sparse(PyObject *op, PyObject *Py_UNUSED(ignored))
+{
+    ReducerObject *r = (ReducerObject *)op;
+    if (r->state == STEP_IDLE)
+        Py_RETURN_NONE;  /* no_sync: the gradient accumulates locally */
+    if (r->state == STEP_EXPECTING && queue_finalize(r) != DPTC_OK)
+        return NULL;
+    r->sparse_seen++;
     Py_RETURN_NONE;
 }
 
@@ -1843,6 +1878,7 @@ static int reducer_traverse(PyObject *op, visitproc visit, void *arg)
     Py_VISIT(r->queue_callback);
     Py_VISIT(r->current_stream);
     Py_VISIT(r->stage_used_map);
+    Py_VISIT(r->after_step);
     Py_VISIT(r->used_device);
     Py_VISIT(r->hooks);
     Py_VISIT(r->handles);
@@ -1888,6 +1924,7 @@ static int reducer_clear(PyObject *op)
     Py_CLEAR(r->queue_callback);
     Py_CLEAR(r->current_stream);
     Py_CLEAR(r->stage_used_map);
+    Py_CLEAR(r->after_step);
     Py_CLEAR(r->used_device);
     Py_CLEAR(r->launcher);
     Py_CLEAR(r->group);
@@ -1921,6 +1958,7 @@ static PyMethodDef reducer_methods[] = {
     {"prepare_for_backward", reducer_prepare_for_backward, METH_VARARGS, prepare_doc},
     {"_finalize", reducer_finalize, METH_NOARGS, finalize_doc},
     {"_expect_finalize", reducer_expect_finalize, METH_VARARGS, expect_finalize_doc},
+    {"_note_sparse_gradient", reducer_note_sparse, METH_NOARGS, note_sparse_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -2007,13 +2045,14 @@ static PyGetSetDef reducer_getset[] = {
 PyDoc_STRVAR(reducer_doc,
 "Reducer(group, params, names, dtypes, queue_callback, find_unused_parameters,\n"
 "        gradient_as_bucket_view, *, current_stream=None, stage_used_map=None,\n"
-"        static_graph=False)\n--\n\n"
+"        static_graph=False, after_step=None)\n--\n\n"
 "DDP's gradient reducer (see dptc/ddp.py).  params: the parameters to reduce,\n"
 "deduplicated, all requiring grad; names: their names for errors; dtypes: dptc\n"
 "dtype codes; queue_callback: torch.autograd.Variable._execution_engine.queue_callback.\n"
 "A device group (device buckets) also takes current_stream, () -> torch.cuda.Stream,\n"
 "and with find_unused_parameters or static_graph stage_used_map, (bytes) -> the\n"
-"device tensor holding them.  Call set_buckets, then register_hooks.");
+"device tensor holding them.  after_step, () -> None, runs at the end of every\n"
+"synced backward, after the write-back.  Call set_buckets, then register_hooks.");
 
 static PyType_Slot reducer_slots[] = {
     {Py_tp_new, reducer_new},

@@ -13,6 +13,7 @@ import math
 import os
 import sys
 import warnings
+import weakref
 
 import torch
 import torch.nn as nn
@@ -23,6 +24,7 @@ from ._compile import active_ddp_module, eager
 from .comm_hooks import (COMM_BF16, COMM_FP16, COMM_PLAIN, COMM_PYTHON, GradBucket,
                          LaunchedBucket, builtin_mode, check_hook, hook_name, native_mode)
 from ._dtypes import dtype_code
+from ._sparse import produces_sparse_gradient, reduce_sparse_gradients
 from .collectives import ReduceOp, all_reduce, broadcast
 from .group import default_group, get_rank, resolve
 from .join import DDPJoinHook, Join, Joinable, _JoinConfig, notify
@@ -163,13 +165,15 @@ class DistributedDataParallel(nn.Module, Joinable):
     more than once, need no find_unused_parameters; see [Note: static graph] in
     csrc/reducer.c); ``no_sync()`` and ``require_backward_grad_sync``; ``register_comm_hook``
     (the all-reduce, fp16 and bf16 compression hooks natively, any other hook in Python on a
-    CPU module; see dptc.comm_hooks).
+    CPU module; see dptc.comm_hooks); sparse gradients (``nn.Embedding``/``nn.EmbeddingBag``
+    with sparse=True, on a CPU module), averaged as torch's (see dptc/_sparse.py).
     ``process_group`` may be any group dptc accepts (a dptc or torch group, a DeviceMesh
     dimension), or ``device_mesh`` a one-dimensional mesh.  ``join()`` (or torch's ``Join``)
     trains on uneven inputs, as torch's (see dptc/join.py).
     Not supported, with an error saying so:
     ``delay_all_reduce_named_params``/``param_to_hook_all_reduce``, ``mixed_precision`` (use
-    torch.autocast), Python comm hooks on a CUDA module.
+    torch.autocast), Python comm hooks on a CUDA module; with sparse gradients, comm hooks
+    other than allreduce_hook and join().
     """
 
     def __init__(self, module, device_ids=None, output_device=None, dim=0,
@@ -212,8 +216,13 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.bucket_bytes_cap = self.bucket_policy.bucket_bytes
         self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
 
-        params, names = self._parameters_to_reduce()
-        self.device = _check_devices(params, device_ids, output_device)
+        (params, names), (sparse_params, sparse_names) = self._parameters_to_reduce()
+        self.device = _check_devices(params + sparse_params, device_ids, output_device)
+        if sparse_params and self.device.type != "cpu":
+            raise NotImplementedError(
+                f"parameter {sparse_names[0]!r} gets sparse gradients (its module has "
+                f"sparse=True), which dptc's DistributedDataParallel reduces on CPU modules "
+                f"only; give the module sparse=False on {self.device}")
         self.device_type = self.device.type
         cuda = self.device_type == "cuda"
         self.device_ids = [self.device.index] if cuda else None
@@ -225,6 +234,8 @@ class DistributedDataParallel(nn.Module, Joinable):
 
         self._params = params
         self._param_names = names
+        self._sparse_params = sparse_params
+        self._sparse_names = sparse_names
         self._comm_mode = COMM_PLAIN
         self._comm_hook = None
         self._comm_state = None
@@ -250,13 +261,20 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._reducer = _C.Reducer(engine, params, names, codes,
                                    torch.autograd.Variable._execution_engine.queue_callback,
                                    self.find_unused_parameters, self.gradient_as_bucket_view,
-                                   static_graph=self.static_graph, **device_kwargs)
+                                   static_graph=self.static_graph,
+                                   after_step=self._reduce_sparse if sparse_params else None,
+                                   **device_kwargs)
         self._reducer.overlap = _overlaps(cuda, self.process_group)
         # See [Note: bucket launch order] in csrc/reducer.c.
         self._install_buckets(first_buckets(
             self._param_bytes(), [p.dtype for p in params],
             self.bucket_policy.first_backward(self.find_unused_parameters, self.static_graph)))
         self._reducer.register_hooks()
+        # Held weakly by the hooks; they leave the parameters with the wrapper, as the C
+        # reducer's do.
+        handles = [p.register_post_accumulate_grad_hook(_note_sparse(self))
+                   for p in sparse_params]
+        weakref.finalize(self, _remove_hooks, handles)
 
         total = sum(self._param_bytes())
         logger.info("Applied DistributedDataParallel to %s: %d parameters, %.2f MiB of "
@@ -272,8 +290,11 @@ class DistributedDataParallel(nn.Module, Joinable):
     # -- construction helpers ------------------------------------------------------------------
 
     def _parameters_to_reduce(self):
-        """Parameters that require grad, deduplicated by identity (tied weights once)."""
+        """Parameters that require grad, deduplicated by identity (tied weights once), as
+        (params, names) for the C reducer and (params, names) of those that get sparse
+        gradients (see [Note: sparse gradients] in dptc/_sparse.py)."""
         params, names, seen = [], [], set()
+        sparse_params, sparse_names = [], []
         for module_name, submodule in self.module.named_modules():
             for param_name, param in submodule.named_parameters(recurse=False):
                 name = _qualified(module_name, param_name)
@@ -287,18 +308,16 @@ class DistributedDataParallel(nn.Module, Joinable):
                 if id(param) in seen:
                     continue
                 seen.add(id(param))
-                params.append(param)
-                names.append(name)
-        if not params:
+                if produces_sparse_gradient(submodule):
+                    sparse_params.append(param)
+                    sparse_names.append(name)
+                else:
+                    params.append(param)
+                    names.append(name)
+        if not params and not sparse_params:
             raise RuntimeError("DistributedDataParallel is not needed when a module doesn't "
                                "have any parameter that requires a gradient.")
-        for module_name, submodule in self.module.named_modules():
-            if isinstance(submodule, (nn.Embedding, nn.EmbeddingBag)) and submodule.sparse:
-                raise NotImplementedError(
-                    f"{type(submodule).__name__} {module_name or '(root)'!r} has sparse=True; "
-                    f"dptc's DistributedDataParallel reduces dense gradients only. Construct it "
-                    f"with sparse=False (the default)")
-        return params, names
+        return (params, names), (sparse_params, sparse_names)
 
     def _named_buffers(self):
         return [(name, buffer) for name, buffer in self.module.named_buffers()
@@ -509,6 +528,12 @@ class DistributedDataParallel(nn.Module, Joinable):
                     divide_by_initial_world_size=divide_by_initial_world_size)
 
     def join_hook(self, **kwargs):
+        if self._sparse_params:
+            raise NotImplementedError(
+                f"join() with sparse gradients (parameter {self._sparse_names[0]!r}, of a "
+                f"module with sparse=True) is not implemented by dptc's "
+                f"DistributedDataParallel; give the module sparse=False, or give every rank "
+                f"the same number of inputs")
         return DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
 
     @property
@@ -652,6 +677,12 @@ class DistributedDataParallel(nn.Module, Joinable):
         if self._reducer.state == "reducing":
             raise RuntimeError("register_comm_hook: a communication hook cannot be registered "
                                "during a backward pass; register it before the first one")
+        if self._sparse_params and mode != COMM_PLAIN:
+            raise NotImplementedError(
+                f"register_comm_hook: {hook_name(hook)} with sparse gradients (parameter "
+                f"{self._sparse_names[0]!r}, of a module with sparse=True) is not implemented "
+                f"by dptc's DistributedDataParallel; give the module sparse=False, or use "
+                f"allreduce_hook")
         self._comm_hook = hook
         self._comm_state = state
         if mode != self._comm_mode or mode == COMM_PYTHON:
@@ -678,9 +709,30 @@ class DistributedDataParallel(nn.Module, Joinable):
                           "these unused parameters will not change during training loop while "
                           "calling `_set_static_graph`.", stacklevel=2)
 
+    def _reduce_sparse(self):
+        """The reducer's after_step: see [Note: sparse gradients] in dptc/_sparse.py."""
+        reduce_sparse_gradients(self._sparse_params, self._sparse_names, self.process_group)
+
     def _reducer_stats(self):
         """Counters of the C reducer: steps, buckets, launches during/after backward, wait s."""
         return self._reducer.stats
+
+
+def _note_sparse(ddp):
+    """The hook of a parameter with sparse gradients: tells ddp's reducer (held weakly, so
+    that the parameter does not keep the wrapper alive)."""
+    ref = weakref.ref(ddp)
+
+    def hook(param):
+        ddp = ref()
+        if ddp is not None:
+            ddp._reducer._note_sparse_gradient()
+    return hook
+
+
+def _remove_hooks(handles):
+    for handle in handles:
+        handle.remove()
 
 
 def _check_unsupported(delay_all_reduce_named_params, param_to_hook_all_reduce,

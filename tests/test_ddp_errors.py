@@ -109,7 +109,8 @@ def test_constructor_validation():
         "comm_hook_twice": ("RuntimeError", "only be called once"),
         "comm_hook_foreign_state": ("TypeError", "state"),
         "check_reduction_warns": ("FutureWarning", "check_reduction"),
-        "sparse_embedding": ("NotImplementedError", "sparse=True"),
+        "sparse_comm_hook": ("NotImplementedError", "sparse=True"),
+        "sparse_join": ("NotImplementedError", "sparse=True"),
         "converted_after_wrapping": ("RuntimeError", "before wrapping"),
     }
     problems = []
@@ -124,7 +125,7 @@ def test_constructor_validation():
     # Accepted as torch accepts them.
     for case in ("static_graph", "skip_all_reduce_unused_params", "torch_default_group",
                  "torch_hooks_by_identity", "bucket_cap_mb_list", "init_sync_false",
-                 "builtin_comm_hooks"):
+                 "builtin_comm_hooks", "sparse_only", "sparse_allreduce_hook"):
         assert results[case] == {"type": None, "message": ""}, (case, results[case])
 
 
@@ -192,6 +193,19 @@ def test_static_graph_change_raises_everywhere(change):
     for outcome in results:
         assert (outcome["step"], outcome["phase"]) == (1, "backward"), outcome
         assert outcome["seconds"] < FAST_S, outcome
+
+
+def test_dense_gradient_of_a_sparse_parameter_raises_everywhere():
+    """An embedding with sparse=True whose weight is also used densely gets a dense gradient:
+    every rank raises a RuntimeError naming the parameter at the end of the first backward
+    (torch: "Expected variable to have sparse gradient"), none hangs."""
+    results = run_ranks("tests.test_ddp_errors:sparse_dense_case", 2, timeout=RUN_TIMEOUT_S)
+    for rank, outcome in enumerate(results):
+        assert outcome["raised"] and outcome["type"] == "RuntimeError", (rank, outcome)
+        assert "'emb.weight'" in outcome["message"], (rank, outcome)
+        assert "dense gradient" in outcome["message"], (rank, outcome)
+        assert (outcome["step"], outcome["phase"]) == (0, "backward"), (rank, outcome)
+        assert outcome["seconds"] < FAST_S, (rank, outcome)
 
 
 def test_interrupted_backward_raises_everywhere():
@@ -301,6 +315,10 @@ def validation_cases():
         ddp = DDP(model()).double()
         ddp(torch.randn(2, 4, dtype=torch.float64)).sum().backward()
 
+    def sparse_join():
+        with DDP(nn.Embedding(10, 4, sparse=True)).join():
+            pass
+
     frozen = model().requires_grad_(False)
     cases = {
         "bucket_cap_mb_zero": lambda: DDP(model(), bucket_cap_mb=0),
@@ -328,7 +346,12 @@ def validation_cases():
         "comm_hook_foreign_state": lambda: DDP(model()).register_comm_hook(
             "not a group", dptc.comm_hooks.allreduce_hook),
         "check_reduction_warns": check_reduction,
-        "sparse_embedding": lambda: DDP(nn.Embedding(10, 4, sparse=True)),
+        "sparse_only": lambda: DDP(nn.Embedding(10, 4, sparse=True)),
+        "sparse_allreduce_hook": lambda: DDP(nn.Embedding(10, 4, sparse=True)).register_comm_hook(
+            None, dptc.comm_hooks.allreduce_hook),
+        "sparse_comm_hook": lambda: DDP(nn.Embedding(10, 4, sparse=True)).register_comm_hook(
+            None, dptc.comm_hooks.fp16_compress_hook),
+        "sparse_join": sparse_join,
         "static_graph": lambda: DDP(model(), static_graph=True),
         "skip_all_reduce_unused_params": lambda: DDP(model(), find_unused_parameters=True,
                                                      skip_all_reduce_unused_params=True),
@@ -438,6 +461,25 @@ def static_change_case(change, steps=3):
     model = _Changing((lambda step: step >= 1) if change == "more" else (lambda step: step == 0))
     ddp = _ddp_class("dptc")(model, static_graph=True)
     return _train_until_error(ddp, steps, before_step=lambda step: setattr(model, "step", step))
+
+
+class _TiedSparse(nn.Module):
+    """An embedding with sparse=True whose weight also scales the output (a dense use)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+        self.emb = nn.Embedding(10, 4, sparse=True)
+
+    def forward(self, x):
+        tokens = torch.arange(x.shape[0]) % 10
+        return (self.fc(x) + self.emb(tokens)) * self.emb.weight.mean()
+
+
+def sparse_dense_case(steps=2):
+    _init("dptc")
+    torch.manual_seed(0)
+    return _train_until_error(_ddp_class("dptc")(_TiedSparse()), steps)
 
 
 def interrupted_case():

@@ -178,6 +178,34 @@ class ReentrantHead(nn.Module):
         return checkpoint(self.head, hidden, use_reentrant=True)
 
 
+class SparseEmbeddings(nn.Module):
+    """Token and bag embeddings with sparse gradients under a dense head (the recommender
+    model's shape). With branch 1 the bag is left out (rank-dependent in the tests)."""
+
+    def __init__(self, vocab=32, dim=8, classes=8):
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, dim, sparse=True)
+        self.bag = nn.EmbeddingBag(vocab, dim, mode="sum", sparse=True)
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, x, branch=0):
+        hidden = self.tokens(x).mean(1)
+        if branch != 1:
+            hidden = hidden + self.bag(x)
+        return self.head(torch.tanh(hidden))
+
+
+class SparseOnly(nn.Module):
+    """A model whose only parameter gets sparse gradients."""
+
+    def __init__(self, vocab=32, classes=8):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(vocab, classes, mode="mean", sparse=True)
+
+    def forward(self, x):
+        return self.bag(x)
+
+
 def channels_last_convnet():
     """The convolution's weight is channels_last, so its gradient is not contiguous: one bucket
     holds pieces reduced where autograd left them (the linear layer's) and a piece copied into
@@ -217,6 +245,13 @@ def odd_batch(generator, rows):
 def token_batch(generator, rows, vocab=32, ctx=8):
     tokens = torch.randint(vocab, (rows, ctx + 1), generator=generator)
     return tokens[:, :-1], tokens[:, 1:]
+
+
+def sparse_batch(generator, rows, vocab=32, ctx=6, classes=8):
+    """Tokens drawn from the first half of the vocabulary: rows of the tables stay unused,
+    and the ranks' gradients overlap in the rows they share."""
+    return (torch.randint(vocab // 2, (rows, ctx), generator=generator),
+            torch.randint(classes, (rows,), generator=generator))
 
 
 def classification_loss(model, batch, rank):
@@ -272,6 +307,7 @@ class Scenario:
     hook_source: str = "torch"           # "torch": torch's default_hooks; "impl": the impl's own
     eval_forward: bool = False           # one more forward in eval mode after training
     set_static_graph: bool = False       # ddp._set_static_graph() after construction
+    optimizer: str = "adamw"             # "sparse": SparseAdam for sparse gradients, else AdamW
 
 
 SCENARIOS = {
@@ -318,6 +354,15 @@ SCENARIOS = {
     "hook_allreduce_own": Scenario(MLP, hook="allreduce", hook_source="impl"),
     "hook_fp16_own": Scenario(MLP, hook="fp16_compress", hook_source="impl"),
     "hook_bf16_own": Scenario(MLP, hook="bf16_compress", hook_source="impl"),
+    # Sparse gradients (nn.Embedding/EmbeddingBag with sparse=True).
+    "sparse": Scenario(SparseEmbeddings, batch=sparse_batch, optimizer="sparse"),
+    "sparse_no_sync": Scenario(SparseEmbeddings, batch=sparse_batch, optimizer="sparse",
+                               micro_steps=3),
+    "sparse_only": Scenario(SparseOnly, batch=sparse_batch, optimizer="sparse"),
+    # Beyond torch, which raises: a sparse parameter that one rank leaves out.
+    "sparse_rank_unused": Scenario(SparseEmbeddings, batch=sparse_batch, loss=branch_loss,
+                                   per_rank_reference=True, optimizer="sparse",
+                                   ddp_kwargs={"find_unused_parameters": True}),
 }
 
 
@@ -347,6 +392,22 @@ def _hook(impl, kind, source):
 
 def _adamw(params):
     return torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, eps=ADAM_EPS)
+
+
+def _optimizers(kind, model):
+    """AdamW over every parameter, or (kind "sparse") SparseAdam over those of modules with
+    sparse=True and AdamW over the rest."""
+    if kind == "adamw":
+        return [_adamw(model.parameters())]
+    sparse = [p for m in model.modules() if getattr(m, "sparse", False)
+              for p in m.parameters(recurse=False)]
+    dense = [p for p in model.parameters() if all(p is not q for q in sparse)]
+    optimizers = [torch.optim.SparseAdam(sparse, lr=LR, eps=ADAM_EPS)]
+    return optimizers + ([_adamw(dense)] if dense else [])
+
+
+def _dense(grad):
+    return grad.to_dense() if grad.is_sparse else grad
 
 
 def cpu_bf16_compress_hook(process_group, bucket):
@@ -459,8 +520,8 @@ def run_scenario(name, impl, rank, world_size):
         ddp._set_static_graph()
     if scenario.hook is not None:
         ddp.register_comm_hook(None, _hook(impl, scenario.hook, scenario.hook_source))
-    optimizer = _adamw(ddp.parameters())
-    ref_optimizer = _adamw(reference.parameters())
+    optimizers = _optimizers(scenario.optimizer, inner)
+    ref_optimizers = _optimizers(scenario.optimizer, reference)
     scaler = torch.amp.GradScaler("cpu") if scenario.scaler else None
     ref_scaler = torch.amp.GradScaler("cpu") if scenario.scaler else None
 
@@ -485,21 +546,24 @@ def run_scenario(name, impl, rank, world_size):
             (ref_scaler.scale(ref_loss) if ref_scaler else ref_loss).backward()
         losses.append(step_loss)
 
-        grads = {n: p.grad for n, p in inner.named_parameters() if p.grad is not None}
-        ref_grads = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
+        grads = {n: _dense(p.grad) for n, p in inner.named_parameters() if p.grad is not None}
+        ref_grads = {n: _dense(p.grad) for n, p in reference.named_parameters()
+                     if p.grad is not None}
         grad_none.append(sorted(n for n, p in inner.named_parameters() if p.grad is None))
         ref_grad_none.append(sorted(n for n, p in reference.named_parameters()
                                     if p.grad is None))
         common = grads.keys() & ref_grads.keys()
         grad_rel = max(grad_rel, max_rel_diff({n: grads[n] for n in common},
                                               {n: ref_grads[n] for n in common}))
-        for opt, scale in ((optimizer, scaler), (ref_optimizer, ref_scaler)):
+        for opts, scale in ((optimizers, scaler), (ref_optimizers, ref_scaler)):
+            for opt in opts:
+                if scale is not None:
+                    scale.step(opt)
+                else:
+                    opt.step()
+                opt.zero_grad(set_to_none=True)
             if scale is not None:
-                scale.step(opt)
                 scale.update()
-            else:
-                opt.step()
-            opt.zero_grad(set_to_none=True)
 
     result = {
         "ok": True,
