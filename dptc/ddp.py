@@ -23,7 +23,7 @@ from . import _C, _cuda
 from ._compile import active_ddp_module, eager
 from .comm_hooks import (COMM_BF16, COMM_FP16, COMM_PLAIN, COMM_PYTHON, GradBucket,
                          LaunchedBucket, builtin_mode, check_hook, hook_name, native_mode)
-from ._dcp import recognise_ddp
+from ._dcp import recognise
 from ._dtypes import dtype_code
 from ._sparse import produces_sparse_gradient, reduce_sparse_gradients
 from .collectives import ReduceOp, all_reduce, broadcast
@@ -805,4 +805,4 @@ def _check_devices(params, device_ids, output_device):
 
 DDP = DistributedDataParallel
 # See [Note: DDP in torch.distributed.checkpoint] in dptc/_dcp.py.
-recognise_ddp(DistributedDataParallel)
+recognise(DistributedDataParallel, "DDP")

@@ -571,3 +571,66 @@ def legacy_optim_case(impl):
     out["trained"] = [float(p.double().sum()) for p in uninterrupted]
     dist.destroy_process_group()
     return out
+
+
+def dcp_case(impl, path):
+    """torch.distributed.checkpoint as torch's FSDP1 tutorial uses it: under
+    SHARDED_STATE_DICT, model.state_dict() and FSDP.optim_state_dict into dcp.save; then one
+    more step.  Under dptc, after its own save, a fresh dptc FSDP1 also loads torch's
+    checkpoint (path/torch, written by the torch launch that ran first) and takes that step.
+    Then the same through torch.distributed.checkpoint.state_dict's get_state_dict and
+    set_state_dict.  Returns the full parameters after the step (per way), and the key lists
+    of the model and optimizer states."""
+    import os
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import state_dict as dsd
+    api, FSDP = _api(impl)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    sharded = api.StateDictType.SHARDED_STATE_DICT
+
+    def save(model, opt, where):
+        with FSDP.state_dict_type(model, sharded):
+            state = {"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, opt)}
+            dcp.save(state, checkpoint_id=where)
+        return list(state["model"])
+
+    def load(where):
+        model = _wrap(impl, build(n_layer=2).float(), "FULL_SHARD")
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        with FSDP.state_dict_type(model, sharded):
+            state = {"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, opt)}
+            dcp.load(state, checkpoint_id=where)
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(FSDP.optim_state_dict_to_load(model, opt, state["optim"]))
+        return model, opt
+
+    def step(model, opt):
+        _train(impl, model, None, rank, world, steps=1, opt=opt,
+               generator=torch.Generator().manual_seed(SEED + 100))
+        with FSDP.summon_full_params(model, writeback=False):
+            return [p.detach().double().flatten().tolist() for p in model.parameters()]
+
+    wrapped = _wrap(impl, build(n_layer=2).float(), "FULL_SHARD")
+    opt, _ = _train(impl, wrapped, None, rank, world)
+    out = {"keys": save(wrapped, opt, os.path.join(path, impl))}
+    model_state, optim_state = dsd.get_state_dict(wrapped, opt)
+    out["dsd_model_keys"] = sorted(model_state)
+    out["dsd_optim_keys"] = sorted(optim_state["state"])
+    dcp.save({"model": model_state, "optim": optim_state},
+             checkpoint_id=os.path.join(path, f"{impl}_dsd"))
+    dist.barrier()
+    out["continued"] = step(wrapped, opt)
+    out["from_own"] = step(*load(os.path.join(path, impl)))
+    if impl == "dptc":
+        out["from_torch"] = step(*load(os.path.join(path, "torch")))
+        model = _wrap(impl, build(n_layer=2).float(), "FULL_SHARD")
+        model_opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        model_state, optim_state = dsd.get_state_dict(model, model_opt)
+        state = {"model": model_state, "optim": optim_state}
+        dcp.load(state, checkpoint_id=os.path.join(path, f"{impl}_dsd"))
+        dsd.set_state_dict(model, model_opt, model_state_dict=state["model"],
+                           optim_state_dict=state["optim"])
+        out["from_own_dsd"] = step(model, model_opt)
+    dist.destroy_process_group()
+    return out

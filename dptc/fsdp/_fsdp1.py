@@ -26,6 +26,7 @@ from torch.distributed.fsdp import (BackwardPrefetch, CPUOffload, FullOptimState
                                     ShardingStrategy, StateDictSettings, StateDictType)
 from torch.distributed.tensor import DTensor
 
+from .._dcp import recognise
 from ..group import default_group
 from ._api import MixedPrecisionPolicy
 from ._fully_shard import FSDPModule, fully_shard
@@ -527,14 +528,9 @@ class FullyShardedDataParallel(nn.Module):
         from torch.distributed.checkpoint.state_dict import (StateDictOptions,
                                                              set_optimizer_state_dict)
         kind = model._settings[0]
-        # Back to the names torch's loader walks the modules by (with the prefixes).
-        prefixed = {_clean(name): name for name, _ in model.named_parameters()}
-        state = {"state": {prefixed.get(k, k): v
-                           for k, v in optim_state_dict["state"].items()},
-                 "param_groups": [dict(group, params=[prefixed.get(k, k)
-                                                      for k in group["params"]])
-                                  for group in optim_state_dict["param_groups"]]}
-        set_optimizer_state_dict(model, optim, state, options=StateDictOptions(
+        # The loader names parameters as optim_state_dict does, without the prefixes (see
+        # [Note: DDP in torch.distributed.checkpoint] in dptc/_dcp.py).
+        set_optimizer_state_dict(model, optim, optim_state_dict, options=StateDictOptions(
             full_state_dict=kind == StateDictType.FULL_STATE_DICT))
         return optim.state_dict()
 
@@ -645,3 +641,7 @@ def _as_shard(module, path, value):
             return value
     param = target._parameters.get(name) if isinstance(target, nn.Module) else None
     return value if isinstance(value, DTensor) else _laid_out_as(param, value)
+
+
+# See [Note: DDP in torch.distributed.checkpoint] in dptc/_dcp.py.
+recognise(FullyShardedDataParallel, "FSDP")
