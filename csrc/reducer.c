@@ -683,9 +683,10 @@ static void step_end(ReducerObject *r)
     for (Py_ssize_t i = 0; i < r->nbuckets; i++) {
         r->buckets[i].pending = r->buckets[i].nmembers;
         Py_CLEAR(r->buckets[i].hooked);  /* a failed step's */
-        /* Left open by a failed step. */
+        /* Left open by a failed step.  Reported against the group, not r:
+         * in r's dealloc that would resurrect it (see reducer_remove_hooks). */
         if (bucket_close_range(r, &r->buckets[i]) != DPTC_OK)
-            PyErr_WriteUnraisable((PyObject *)r);
+            PyErr_WriteUnraisable(r->group);
     }
     for (Py_ssize_t i = 0; i < r->nslots; i++) {
         param_slot *s = &r->slots[i];
@@ -1632,8 +1633,13 @@ static PyObject *reducer_register_hooks(PyObject *op, PyObject *Py_UNUSED(ignore
     Py_RETURN_NONE;
 }
 
-/* Detaches the hooks and unregisters them (the latter calls Python; the
- * error, if any, is written as unraisable).  GIL held. */
+/* Detaches the hooks and unregisters them (the latter calls Python; an
+ * error is written as unraisable, against the handle: the reducer may be
+ * in its dealloc, where reporting against it would resurrect it and free it
+ * twice).  A handle the garbage collector already cleared (the reducer's
+ * dealloc ran from a cycle's collection, which empties the handles'
+ * __dict__ too) raises AttributeError: its hooks dict is garbage as well,
+ * so that one is dropped silently.  GIL held. */
 static void reducer_remove_hooks(ReducerObject *r)
 {
     if (r->hooks) {
@@ -1644,9 +1650,12 @@ static void reducer_remove_hooks(ReducerObject *r)
         PyObject *handles = r->handles;
         r->handles = NULL;
         for (Py_ssize_t i = 0; i < PyList_GET_SIZE(handles); i++) {
-            PyObject *done = PyObject_CallMethod(PyList_GET_ITEM(handles, i), "remove", NULL);
-            if (!done)
-                PyErr_WriteUnraisable((PyObject *)r);
+            PyObject *handle = PyList_GET_ITEM(handles, i);
+            PyObject *done = PyObject_CallMethod(handle, "remove", NULL);
+            if (!done && PyErr_ExceptionMatches(PyExc_AttributeError))
+                PyErr_Clear();
+            else if (!done)
+                PyErr_WriteUnraisable(handle);
             Py_XDECREF(done);
         }
         Py_DECREF(handles);

@@ -1,6 +1,6 @@
 """dptc's wrappers as torch.distributed.checkpoint's state-dict helpers see them.
 
-[Note: DDP in torch.distributed.checkpoint]
+[Note: wrappers in torch.distributed.checkpoint]
 torch.distributed.checkpoint.state_dict (get_state_dict, get_model_state_dict, set_state_dict,
 ...) names a wrapped model's parameters by their names in the unwrapped model, for the model's
 state and for the optimizer's: its _get_fqns steps over DDP's "module." and FSDP1's
@@ -22,6 +22,8 @@ sys.meta_path.
 import importlib.abc
 import importlib.util
 import sys
+
+__all__ = ["recognise"]
 
 _MODULE = "torch.distributed.checkpoint.state_dict"
 _pending = {}  # name in that module -> dptc's class, for the finder

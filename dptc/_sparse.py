@@ -23,6 +23,8 @@ import torch.nn as nn
 
 from .collectives import all_gather_into_tensor
 
+__all__ = ["produces_sparse_gradient", "reduce_sparse_gradients"]
+
 _NO_GRADIENT = -1
 _DENSE_GRADIENT = -2
 

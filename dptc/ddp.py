@@ -804,5 +804,5 @@ def _check_devices(params, device_ids, output_device):
 
 
 DDP = DistributedDataParallel
-# See [Note: DDP in torch.distributed.checkpoint] in dptc/_dcp.py.
+# See [Note: wrappers in torch.distributed.checkpoint] in dptc/_dcp.py.
 recognise(DistributedDataParallel, "DDP")

@@ -1,9 +1,9 @@
 """DDP models under torch.distributed.checkpoint's state-dict helpers.
 
 get_state_dict / set_state_dict name a torch DDP model's parameters without DDP's "module."
-prefix, in the model's state and in the optimizer's; dptc's DDP must get the same names (see
-[Note: DDP in torch.distributed.checkpoint] in dptc/_dcp.py), so that a checkpoint written with
-dcp.save under one wrapper loads under the other and into the unwrapped model.  Two ranks train
+prefix, in the model's state and in the optimizer's; dptc's DDP must get the same names
+(see [Note: wrappers in torch.distributed.checkpoint] in dptc/_dcp.py), so that a checkpoint
+written with dcp.save under one wrapper loads under the other and into the unwrapped model.  Two ranks train
 torch's DDP and dptc's side by side on the same batches; the test checks the names, then that
 torch's checkpoint, loaded into a fresh dptc DDP, resumes to torch's parameters bit for bit, and
 that dptc's checkpoint loads into a plain model.  Run twice: with the checkpoint module imported

@@ -529,7 +529,7 @@ class FullyShardedDataParallel(nn.Module):
                                                              set_optimizer_state_dict)
         kind = model._settings[0]
         # The loader names parameters as optim_state_dict does, without the prefixes (see
-        # [Note: DDP in torch.distributed.checkpoint] in dptc/_dcp.py).
+        # [Note: wrappers in torch.distributed.checkpoint] in dptc/_dcp.py).
         set_optimizer_state_dict(model, optim, optim_state_dict, options=StateDictOptions(
             full_state_dict=kind == StateDictType.FULL_STATE_DICT))
         return optim.state_dict()
@@ -643,5 +643,5 @@ def _as_shard(module, path, value):
     return value if isinstance(value, DTensor) else _laid_out_as(param, value)
 
 
-# See [Note: DDP in torch.distributed.checkpoint] in dptc/_dcp.py.
+# See [Note: wrappers in torch.distributed.checkpoint] in dptc/_dcp.py.
 recognise(FullyShardedDataParallel, "FSDP")
