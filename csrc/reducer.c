@@ -244,7 +244,8 @@ struct ReducerObject {
                                   finish() writes the bucket's result (owned) */
     PyObject *after_step;      /* () called at the end of every synced backward,
                                   after the write-back (owned), or NULL: see
-                                  [Note: sparse gradients] in ddp.py */
+                                  [Note: sparse gradients] in
+                                  dptc/_sparse.py */
 
     /* Parameters and buckets */
     param_slot *slots;

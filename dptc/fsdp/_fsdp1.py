@@ -443,9 +443,10 @@ class FullyShardedDataParallel(nn.Module):
                                                              get_optimizer_state_dict)
         kind, config = model._settings[:2]
         full = kind == StateDictType.FULL_STATE_DICT
-        with _original_names():
-            return get_optimizer_state_dict(model, optim, options=StateDictOptions(
-                full_state_dict=full, cpu_offload=full and getattr(config, "rank0_only", False)))
+        # Keyed by the original names: see [Note: wrappers in torch.distributed.checkpoint]
+        # in dptc/_dcp.py.
+        return get_optimizer_state_dict(model, optim, options=StateDictOptions(
+            full_state_dict=full, cpu_offload=full and getattr(config, "rank0_only", False)))
 
     # -- the optimizer state-dict API before optim_state_dict (torch: deprecated) ---------------
 
@@ -456,9 +457,8 @@ class FullyShardedDataParallel(nn.Module):
         _warn_legacy("full_optim_state_dict", "optim_state_dict")
         from torch.distributed.checkpoint.state_dict import (StateDictOptions,
                                                              get_optimizer_state_dict)
-        with _original_names():
-            return get_optimizer_state_dict(model, optim, options=StateDictOptions(
-                full_state_dict=True, cpu_offload=rank0_only))
+        return get_optimizer_state_dict(model, optim, options=StateDictOptions(
+            full_state_dict=True, cpu_offload=rank0_only))
 
     @staticmethod
     def sharded_optim_state_dict(model, optim, group=None):
@@ -467,9 +467,8 @@ class FullyShardedDataParallel(nn.Module):
         _warn_legacy("sharded_optim_state_dict", "optim_state_dict")
         from torch.distributed.checkpoint.state_dict import (StateDictOptions,
                                                              get_optimizer_state_dict)
-        with _original_names():
-            return get_optimizer_state_dict(model, optim,
-                                            options=StateDictOptions(full_state_dict=False))
+        return get_optimizer_state_dict(model, optim,
+                                        options=StateDictOptions(full_state_dict=False))
 
     @staticmethod
     def shard_full_optim_state_dict(full_optim_state_dict, model, optim_input=None,
