@@ -171,8 +171,10 @@ def test_dcp_checkpoint_as_torchs_tutorial(tmp_path):
     measured: bit for bit).  torch 2.13's own FSDP1 does not resume exactly from its own
     checkpoint here (measured 4.9e-2 off, relative), so that is checked on dptc alone.  Then
     torch.distributed.checkpoint.state_dict's get_state_dict: the model's and the optimizer's
-    keys are torch's (no _fsdp_wrapped_module.), and set_state_dict of its saved state into a
-    fresh model resumes exactly."""
+    keys are torch's (no _fsdp_wrapped_module.), its tensors are shards as torch's are (a rank
+    holds half of each state), and set_state_dict of its saved state into a fresh model
+    resumes exactly; so do full_state_dict=True (torch's values on every rank) and
+    cpu_offload=True (rank 0 alone) into broadcast_from_rank0=True."""
     torch_results = run_ranks("tests.workers_fsdp1:dcp_case", 2, timeout=LAUNCH_TIMEOUT_S,
                               args={"impl": "torch", "path": str(tmp_path)}, reference=True)
     dptc_results = run_ranks("tests.workers_fsdp1:dcp_case", 2, timeout=LAUNCH_TIMEOUT_S,
@@ -187,6 +189,25 @@ def test_dcp_checkpoint_as_torchs_tutorial(tmp_path):
         assert got["dsd_optim_keys"] == want["dsd_optim_keys"], rank
         assert not any("_fsdp_wrapped_module" in key for key in got["dsd_optim_keys"]), rank
         assert _rel(got["from_own_dsd"], got["continued"]) == 0.0, rank
+        # By default the helpers give shards, as torch's FSDP1 does: every tensor of either
+        # state is one, and a rank holds half of the elements (torch.chunk halves every dim 0
+        # of this model).
+        for part in ("model", "optim"):
+            held, full, shards = got["dsd_held"][part]
+            assert want["dsd_held"][part][1:] == [full, shards], (rank, part, got, want)
+            assert held == full // 2, (rank, part, held, full)
+            assert got["dsd_full_held"][part] == [full, full, 0], (rank, part)
+        count = len(got["dsd_model_keys"])
+        assert got["dsd_held"]["model"][2] == count, (rank, got["dsd_held"])
+        # full_state_dict=True: the full tensors on every rank, torch's values.
+        assert sorted(got["dsd_full"]) == sorted(want["dsd_full"]), rank
+        assert _rel(list(got["dsd_full"].values()),
+                    [want["dsd_full"][key] for key in got["dsd_full"]]) <= 1e-6, rank
+        # With cpu_offload=True rank 0 alone holds them.
+        assert got["dsd_rank0_held"] == (got["dsd_full_held"] if rank == 0 else
+                                         {"model": [0, 0, 0], "optim": [0, 0, 0]}), rank
+        assert _rel(got["from_full_dsd"], got["continued"]) == 0.0, rank
+        assert _rel(got["from_rank0_dsd"], got["continued"]) == 0.0, rank
 
 
 def test_hybrid_shard_two_torchrun_nodes():

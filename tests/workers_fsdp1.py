@@ -6,7 +6,9 @@ wrapped with transformer_auto_wrap_policy.  A step is 2 micro-batches (the first
 no_sync()), the wrapper's clip_grad_norm_(1.0), then AdamW.
 """
 
+import copy
 import functools
+import math
 import traceback
 
 import torch
@@ -573,14 +575,45 @@ def legacy_optim_case(impl):
     return out
 
 
+def _held(model_state, optim_state):
+    """What a rank holds of a state dict pair: {"model"/"optim": [elements held here, elements
+    of the full tensors, tensors that are shards]} over tensors of one dimension or more
+    (DTensor, torch's ShardedTensor, or plain)."""
+    from torch.distributed.tensor import DTensor
+    out = {}
+    tensors = {"model": list(model_state.values()),
+               "optim": [value for entries in optim_state.get("state", {}).values()
+                         for value in entries.values()]}
+    for part, values in tensors.items():
+        held = full = shards = 0
+        for value in values:
+            if isinstance(value, DTensor):
+                local = value.to_local().numel()
+            elif hasattr(value, "local_shards"):
+                local = sum(shard.tensor.numel() for shard in value.local_shards())
+            elif isinstance(value, torch.Tensor):
+                local = value.numel()
+            else:
+                continue
+            size = value.size()
+            if len(size) == 0:
+                continue
+            held, full = held + local, full + math.prod(size)
+            shards += type(value) is not torch.Tensor
+        out[part] = [held, full, shards]
+    return out
+
+
 def dcp_case(impl, path):
     """torch.distributed.checkpoint as torch's FSDP1 tutorial uses it: under
     SHARDED_STATE_DICT, model.state_dict() and FSDP.optim_state_dict into dcp.save; then one
     more step.  Under dptc, after its own save, a fresh dptc FSDP1 also loads torch's
     checkpoint (path/torch, written by the torch launch that ran first) and takes that step.
     Then the same through torch.distributed.checkpoint.state_dict's get_state_dict and
-    set_state_dict.  Returns the full parameters after the step (per way), and the key lists
-    of the model and optimizer states."""
+    set_state_dict: by default (shards), with full_state_dict=True, and (dptc only) with
+    cpu_offload=True into set_state_dict's broadcast_from_rank0=True.  Returns the full
+    parameters after the step (per way), the key lists of the model and optimizer states,
+    what a rank holds of each state (_held) and the full state's values."""
     import os
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -617,20 +650,45 @@ def dcp_case(impl, path):
     model_state, optim_state = dsd.get_state_dict(wrapped, opt)
     out["dsd_model_keys"] = sorted(model_state)
     out["dsd_optim_keys"] = sorted(optim_state["state"])
+    out["dsd_held"] = _held(model_state, optim_state)
     dcp.save({"model": model_state, "optim": optim_state},
              checkpoint_id=os.path.join(path, f"{impl}_dsd"))
+    full = dsd.StateDictOptions(full_state_dict=True)
+    # Copied: the optimizer's step counters in a state dict are its own tensors, which the
+    # step below advances.
+    full_model, full_optim = copy.deepcopy(dsd.get_state_dict(wrapped, opt, options=full))
+    out["dsd_full"] = {key: value.double().flatten().tolist()
+                       for key, value in full_model.items()}
+    out["dsd_full_held"] = _held(full_model, full_optim)
+    if impl == "dptc":    # torch 2.13's FSDP1 on CPU dies in get_state_dict with cpu_offload
+        rank0_model, rank0_optim = copy.deepcopy(dsd.get_state_dict(
+            wrapped, opt, options=dsd.StateDictOptions(full_state_dict=True, cpu_offload=True)))
+        out["dsd_rank0_held"] = _held(rank0_model, rank0_optim)
     dist.barrier()
     out["continued"] = step(wrapped, opt)
     out["from_own"] = step(*load(os.path.join(path, impl)))
     if impl == "dptc":
         out["from_torch"] = step(*load(os.path.join(path, "torch")))
-        model = _wrap(impl, build(n_layer=2).float(), "FULL_SHARD")
-        model_opt = torch.optim.AdamW(model.parameters(), lr=LR)
+
+        def fresh():
+            model = _wrap(impl, build(n_layer=2).float(), "FULL_SHARD")
+            return model, torch.optim.AdamW(model.parameters(), lr=LR)
+        model, model_opt = fresh()
         model_state, optim_state = dsd.get_state_dict(model, model_opt)
         state = {"model": model_state, "optim": optim_state}
         dcp.load(state, checkpoint_id=os.path.join(path, f"{impl}_dsd"))
         dsd.set_state_dict(model, model_opt, model_state_dict=state["model"],
                            optim_state_dict=state["optim"])
         out["from_own_dsd"] = step(model, model_opt)
+        model, model_opt = fresh()
+        dsd.set_state_dict(model, model_opt, model_state_dict=full_model,
+                           optim_state_dict=full_optim, options=full)
+        out["from_full_dsd"] = step(model, model_opt)
+        model, model_opt = fresh()
+        # set_state_dict would take rank 1's empty model state for "optimizer only".
+        from_rank0 = dsd.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        dsd.set_model_state_dict(model, rank0_model, options=from_rank0)
+        dsd.set_optimizer_state_dict(model, model_opt, rank0_optim, options=from_rank0)
+        out["from_rank0_dsd"] = step(model, model_opt)
     dist.destroy_process_group()
     return out

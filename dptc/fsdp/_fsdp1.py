@@ -26,7 +26,7 @@ from torch.distributed.fsdp import (BackwardPrefetch, CPUOffload, FullOptimState
                                     ShardingStrategy, StateDictSettings, StateDictType)
 from torch.distributed.tensor import DTensor
 
-from .._dcp import recognise
+from .._dcp import recognise, torch_methods
 from ..group import default_group
 from ._api import MixedPrecisionPolicy
 from ._fully_shard import FSDPModule, fully_shard
@@ -196,6 +196,9 @@ class FullyShardedDataParallel(nn.Module):
                         buffer_module._buffers[name] = buffer.to(mixed_precision.buffer_dtype)
         self.sharding_strategy = strategy
         self.mixed_precision = mixed_precision
+        # torch's FSDP1 attribute: the group a unit shards over (all ranks for NO_SHARD).
+        self.process_group = mesh.get_group(0 if mesh.ndim == 1 or
+                                            strategy == ShardingStrategy.NO_SHARD else 1)
         self._is_root_arg = _root
         self._settings = (StateDictType.FULL_STATE_DICT, FullStateDictConfig(),
                           FullOptimStateDictConfig())
@@ -438,15 +441,16 @@ class FullyShardedDataParallel(nn.Module):
     @staticmethod
     def optim_state_dict(model, optim, optim_state_dict=None, group=None):
         """The optimizer's state dict keyed by parameter names, full tensors under
-        FULL_STATE_DICT and DTensor shards under SHARDED_STATE_DICT."""
+        FULL_STATE_DICT (on rank 0 only with FullOptimStateDictConfig(rank0_only=True)) and
+        DTensor shards under SHARDED_STATE_DICT."""
         from torch.distributed.checkpoint.state_dict import (StateDictOptions,
                                                              get_optimizer_state_dict)
-        kind, config = model._settings[:2]
-        full = kind == StateDictType.FULL_STATE_DICT
+        full, rank0_only = _optim_settings(model)
         # Keyed by the original names: see [Note: wrappers in torch.distributed.checkpoint]
         # in dptc/_dcp.py.
-        return get_optimizer_state_dict(model, optim, options=StateDictOptions(
-            full_state_dict=full, cpu_offload=full and getattr(config, "rank0_only", False)))
+        with torch_methods():
+            return get_optimizer_state_dict(model, optim, options=StateDictOptions(
+                full_state_dict=full, cpu_offload=rank0_only))
 
     # -- the optimizer state-dict API before optim_state_dict (torch: deprecated) ---------------
 
@@ -457,8 +461,9 @@ class FullyShardedDataParallel(nn.Module):
         _warn_legacy("full_optim_state_dict", "optim_state_dict")
         from torch.distributed.checkpoint.state_dict import (StateDictOptions,
                                                              get_optimizer_state_dict)
-        return get_optimizer_state_dict(model, optim, options=StateDictOptions(
-            full_state_dict=True, cpu_offload=rank0_only))
+        with torch_methods():
+            return get_optimizer_state_dict(model, optim, options=StateDictOptions(
+                full_state_dict=True, cpu_offload=rank0_only))
 
     @staticmethod
     def sharded_optim_state_dict(model, optim, group=None):
@@ -467,8 +472,9 @@ class FullyShardedDataParallel(nn.Module):
         _warn_legacy("sharded_optim_state_dict", "optim_state_dict")
         from torch.distributed.checkpoint.state_dict import (StateDictOptions,
                                                              get_optimizer_state_dict)
-        return get_optimizer_state_dict(model, optim,
-                                        options=StateDictOptions(full_state_dict=False))
+        with torch_methods():
+            return get_optimizer_state_dict(model, optim,
+                                            options=StateDictOptions(full_state_dict=False))
 
     @staticmethod
     def shard_full_optim_state_dict(full_optim_state_dict, model, optim_input=None,
@@ -523,15 +529,27 @@ class FullyShardedDataParallel(nn.Module):
     def optim_state_dict_to_load(model, optim, optim_state_dict, is_named_optimizer=False,
                                  load_directly=False, group=None):
         """Loads optim_state_dict (from optim_state_dict) into optim; returns the optimizer's
-        resulting state dict, ready for ``optim.load_state_dict``."""
+        resulting state dict, ready for ``optim.load_state_dict``.  Under FULL_STATE_DICT with
+        FullOptimStateDictConfig(rank0_only=True), rank 0's is broadcast."""
         from torch.distributed.checkpoint.state_dict import (StateDictOptions,
                                                              set_optimizer_state_dict)
-        kind = model._settings[0]
+        full, rank0_only = _optim_settings(model)
         # The loader names parameters as optim_state_dict does, without the prefixes (see
         # [Note: wrappers in torch.distributed.checkpoint] in dptc/_dcp.py).
-        set_optimizer_state_dict(model, optim, optim_state_dict, options=StateDictOptions(
-            full_state_dict=kind == StateDictType.FULL_STATE_DICT))
+        with torch_methods():
+            set_optimizer_state_dict(model, optim, optim_state_dict, options=StateDictOptions(
+                full_state_dict=full, broadcast_from_rank0=rank0_only))
         return optim.state_dict()
+
+
+def _optim_settings(model):
+    """(full, rank0_only) of model's optimizer state-dict settings."""
+    settings = FullyShardedDataParallel.get_state_dict_type(model)
+    if settings is None:
+        raise ValueError(f"model holds no FullyShardedDataParallel instance "
+                         f"({type(model).__name__}); pass the model the optimizer trains")
+    full = settings.state_dict_type == StateDictType.FULL_STATE_DICT
+    return full, full and bool(getattr(settings.optim_state_dict_config, "rank0_only", False))
 
 
 def _warn_legacy(current, replacement):
@@ -642,5 +660,16 @@ def _as_shard(module, path, value):
     return value if isinstance(value, DTensor) else _laid_out_as(param, value)
 
 
+def _fsdp_state_check(original):
+    """torch.distributed.checkpoint.state_dict's check that a module it found is an FSDP
+    instance: a dptc instance passes."""
+    def check(module):
+        return module if isinstance(module, FullyShardedDataParallel) else original(module)
+    return check
+
+
 # See [Note: wrappers in torch.distributed.checkpoint] in dptc/_dcp.py.
-recognise(FullyShardedDataParallel, "FSDP")
+recognise(FullyShardedDataParallel, "FSDP",
+          methods=("fsdp_modules", "state_dict_type", "optim_state_dict",
+                   "optim_state_dict_to_load"),
+          functions={"_get_module_fsdp_state_if_fully_sharded_module": _fsdp_state_check})
