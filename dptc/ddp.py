@@ -225,6 +225,14 @@ class DistributedDataParallel(nn.Module, Joinable):
                 f"sparse=True), which dptc's DistributedDataParallel reduces on CPU modules "
                 f"only; give the module sparse=False on {self.device}")
         self.device_type = self.device.type
+        if self.device_type == "cpu":
+            for layer_name, layer in module.named_modules():
+                if isinstance(layer, nn.SyncBatchNorm):
+                    # torch's DDP refuses them too: their forward runs on accelerators only.
+                    raise ValueError(
+                        f"SyncBatchNorm layers only work with GPU modules: "
+                        f"{layer_name or type(module).__name__!r} is a SyncBatchNorm on the CPU; "
+                        f"use torch.nn.BatchNorm (statistics per rank) on CPU modules")
         cuda = self.device_type == "cuda"
         self.device_ids = [self.device.index] if cuda else None
         self.output_device = self.device_ids[0] if cuda else None

@@ -112,6 +112,9 @@ def test_constructor_validation():
         "sparse_comm_hook": ("NotImplementedError", "sparse=True"),
         "sparse_join": ("NotImplementedError", "sparse=True"),
         "converted_after_wrapping": ("RuntimeError", "before wrapping"),
+        # torch's DDP refuses them on CPU with the same ValueError.
+        "sync_batch_norm_on_cpu": ("ValueError", "SyncBatchNorm layers only work with GPU "
+                                                 "modules: '1' is a SyncBatchNorm"),
     }
     problems = []
     for case, (error_type, fragment) in expected.items():
@@ -322,6 +325,7 @@ def validation_cases():
     frozen = model().requires_grad_(False)
     cases = {
         "bucket_cap_mb_zero": lambda: DDP(model(), bucket_cap_mb=0),
+        "sync_batch_norm_on_cpu": lambda: DDP(nn.Sequential(model(), nn.SyncBatchNorm(4))),
         "bucket_cap_mb_negative": lambda: DDP(model(), bucket_cap_mb=-5),
         "bucket_cap_mb_string": lambda: DDP(model(), bucket_cap_mb="25"),
         "device_ids_on_cpu": lambda: DDP(model(), device_ids=[0]),
