@@ -1173,6 +1173,48 @@ static dptc_status prologue(channel *ch, const dptc_coll *c, const dptc_order *o
     return DPTC_OK;
 }
 
+/* [Note: a group of one]
+ * A group whose only member is this rank has no peer to stage for or wait
+ * for, and every reduction of one operand is that operand (AVG divides by
+ * 1).  So each operation only moves what the caller asked to have moved:
+ * one copy where the output is not the input, none in place.  Staged, a
+ * 27.5 MiB all-reduce took 5 ms here, and out of place 10 ms.  Such groups
+ * are common: DDP or FSDP at one rank, FSDP1's NO_SHARD (shard groups of
+ * one rank each) and HSDP on one node (replicate groups of one). */
+static void move(void *dst, const void *src, size_t nbytes)
+{
+    if (dst != src)
+        copy(dst, src, nbytes);
+}
+
+static dptc_status alone(const dptc_coll *c)
+{
+    size_t elsize = dptc_dtype_size(c->dtype);
+    switch (c->op) {
+    case DPTC_OP_ALL_REDUCE:    /* on pieces: in place (see [Note: several pieces]) */
+        if (c->noutputs == 0)
+            move(c->output, c->input, c->count * elsize);
+        break;
+    case DPTC_OP_ALL_GATHER:
+        if (c->noutputs == 0) {
+            move(c->output, c->input, c->count * elsize);
+            break;
+        }
+        const unsigned char *from = c->input;
+        for (int j = 0; j < c->noutputs; j++) {
+            move(c->outputs[j], from, c->output_counts[j] * elsize);
+            from += c->output_counts[j] * elsize;
+        }
+        break;
+    case DPTC_OP_REDUCE_SCATTER:
+        move(c->output, c->input, c->count * elsize);
+        break;
+    default:                    /* broadcast (in place), barrier */
+        break;
+    }
+    return DPTC_OK;
+}
+
 static dptc_status run(dptc_transport *t, const dptc_order *order, const dptc_coll *c,
                        dptc_completion *done, algorithm how, dptc_error *err)
 {
@@ -1180,6 +1222,8 @@ static dptc_status run(dptc_transport *t, const dptc_order *order, const dptc_co
     done->wait = NULL;
     channel *ch = &((shm_transport *)t)->channels[order->stream];
     CHECK(prologue(ch, c, order, err));
+    if (ch->s->local_size == 1 && ch->s->nnodes == 1)
+        return alone(c);
     return how(ch, c, order->seq, order->deadline, err);
 }
 

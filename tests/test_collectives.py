@@ -15,7 +15,7 @@ import pytest
 
 from tests._launch import run_ranks, run_torchrun_nodes
 
-WORLD_SIZES = (2, 3, 4)
+WORLD_SIZES = (1, 2, 3, 4)
 SEED = 1234
 SWEEP_TIMEOUT_S = 150
 TWO_NODE_SCRIPT = Path("tests") / "scripts" / "two_node_collectives.py"
