@@ -219,12 +219,17 @@ def test_hybrid_shard_two_torchrun_nodes():
 
 def test_construction_options_and_checkpointing():
     """sync_module_states makes rank 1 start from rank 0's weights; param_init_fn runs once
-    per module left on the meta device; ignored_modules stay whole; activation checkpointing
+    per module left on the meta device, and under NO_SHARD the parameters forward sees are the
+    shard buffers themselves; ignored_modules stay whole; activation checkpointing
     applied after wrapping keeps the numbers and the state-dict keys: each trained against the
     single-process reference (float64)."""
     for result in run_ranks("tests.workers_fsdp1:extras_case", 2, timeout=LAUNCH_TIMEOUT_S):
         assert result["sync_rel"] <= FLOAT64_TOLERANCE, result
         assert result["init_all"] and result["init_modules"] > 0, result
+        # NO_SHARD: every parameter in forward is its shard's memory, no gathered copy.
+        assert result["no_shard_params"] > 0, result
+        assert result["no_shard_in_place"] == result["no_shard_params"], result
+        assert result["no_shard_rel"] <= FLOAT64_TOLERANCE, result
         assert result["ignored_plain"] and result["ignored_rel"] <= FLOAT64_TOLERANCE, result
         assert result["checkpointed"] == 2, result
         assert result["checkpoint_rel"] <= FLOAT64_TOLERANCE, result

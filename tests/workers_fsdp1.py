@@ -305,7 +305,7 @@ def state_cases():
 
 def extras_case():
     """dptc, FULL_SHARD, 2 ranks: sync_module_states (rank 1 starts from other weights),
-    param_init_fn on a meta-device model, ignored_modules (a frozen embedding kept whole), and
+    param_init_fn on a meta-device model (FULL_SHARD and NO_SHARD), ignored_modules (a frozen embedding kept whole), and
     activation checkpointing applied to the blocks after wrapping; each trained against the
     single-process reference."""
     import dptc
@@ -342,6 +342,35 @@ def extras_case():
         values = torch.cat([p.detach().flatten() for p in wrapped.parameters()])
     out["init_all"] = bool((values == 0.25).all())
     out["init_modules"] = len(initialised)
+
+    # NO_SHARD from the meta device: shard groups of one rank, whose unsharded parameters in
+    # forward are the shard buffers' memory (see [Note: a shard group of one]).
+    with torch.device("meta"):
+        model = build_meta()
+    wrapped = FSDP(model, auto_wrap_policy=policy, param_init_fn=init,
+                   sharding_strategy=api.ShardingStrategy.NO_SHARD)
+    ref = build_meta().to_empty(device="cpu")
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.fill_(0.25)
+    shards = {(id(m), name): p.to_local().data_ptr() for m in wrapped.modules()
+              for name, p in m._parameters.items() if p is not None}
+    in_forward = {}
+
+    def record(module, _args):
+        for name, param in module._parameters.items():
+            if param is not None:
+                in_forward[(id(module), name)] = param.data_ptr()
+    hooks = [m.register_forward_pre_hook(record) for m in wrapped.modules()
+             if m._parameters and not isinstance(m, FSDP)]
+    _train("dptc", wrapped, ref, rank, world)
+    for hook in hooks:
+        hook.remove()
+    out["no_shard_params"] = len(shards)
+    out["no_shard_in_place"] = sum(in_forward.get(key) == ptr for key, ptr in shards.items())
+    with FSDP.summon_full_params(wrapped, writeback=False):
+        out["no_shard_rel"] = max_rel([p.detach() for p in wrapped.parameters()],
+                                   [p.detach() for p in ref.parameters()])
 
     ref = build(n_layer=2)
     model = build(n_layer=2)

@@ -79,6 +79,7 @@ class _Param:
         self.assembled = False                # dim != 0: unsharded holds the gathered values
         self.hook = None                      # its post-accumulate-grad hook
         self.summoned = None                  # full parameter inside summon_full_params
+        self.aliased = False                  # unsharded is a view of the shard buffer
 
     def rank_start(self, rank):
         return min(self.extent, rank * self.rows)
@@ -163,7 +164,18 @@ class _Param:
             grad = grad.redistribute(placements=self.tp_spec.placements)
         return grad._local_tensor
 
+    def alias_shard(self, flat, requires_grad):
+        """Makes the unsharded parameter a view of this rank's piece of flat, which holds all
+        of it: see [Note: a shard group of one]."""
+        self.padded = flat[self.offset:self.offset + self.piece].view(
+            (self.rows,) + tuple(self.shape[1:]))
+        self.unsharded = self.wrap_unsharded(self.padded[:self.extent], requires_grad)
+        self.hook = None
+        self.aliased = True
+
     def _storage_tensors(self):
+        if self.aliased:
+            return []
         return [self.padded] if self.dim == 0 else [self.padded, self.writer]
 
     def allocate(self):
@@ -354,7 +366,9 @@ class Unit:
                     local.copy_(p.narrow(local_data(orig).detach()))
             p.sharded = nn.Parameter(self._dtensor(local, p), requires_grad=orig.requires_grad)
             kind = dict(dtype=bucket.compute_dtype, device=self.device)
-            if p.dim == 0:
+            if self._aliases(bucket, p) and not on_meta:
+                p.alias_shard(bucket.flat, orig.requires_grad)
+            elif p.dim == 0:
                 p.padded = torch.empty((self.group.size * p.rows,) + tuple(p.shape[1:]), **kind)
                 p.unsharded = p.wrap_unsharded(p.padded[:p.extent], orig.requires_grad)
             else:
@@ -367,6 +381,20 @@ class Unit:
                                                        full.stride())
             p.free()
             p.register(p.sharded)
+
+    def _aliases(self, bucket, p):
+        """[Note: a shard group of one]
+        Sharded over one rank (FSDP1's NO_SHARD, or a mesh whose shard dim has size 1), a
+        parameter's shard is all of it.  Where the gather would copy it unchanged (a CPU
+        parameter on dim 0, no param_dtype cast, not tensor-parallel), the unsharded parameter
+        is a view of the shard buffer instead: unshard's all-gather then has its input as its
+        output, which the transport leaves as it is (see [Note: a group of one] in
+        csrc/shm.c), and resharding frees nothing.  Per unit and step that saves two copies
+        of its parameters and the page faults of allocating them twice.  The optimizer
+        updates the buffer in place between backward and the next forward, as it updates a
+        shard that the next forward gathers."""
+        return (self.group.size == 1 and self.device.type == "cpu" and p.dim == 0 and
+                p.tp_spec is None and bucket.compute_dtype == bucket.orig_dtype)
 
     def _new_flat(self, bucket, on_meta=False):
         """A zeroed shard buffer for bucket.  On one CPU node, where the all-gather's input is
@@ -431,6 +459,9 @@ class Unit:
         for bucket in self.buckets:
             if bucket.flat.is_meta:
                 bucket.flat = self._new_flat(bucket)
+                for p in bucket.params:
+                    if self._aliases(bucket, p):
+                        p.alias_shard(bucket.flat, p.sharded.requires_grad)
             for p in bucket.params:
                 module, name = p.locations[0]
                 current = module._parameters[name]
@@ -665,7 +696,9 @@ class Unit:
             elif grads:
                 torch._chunk_cat([grad.reshape(p.extent, p.row_numel) for p, grad in grads],
                                  dim=0, num_chunks=size, out=source)
-            output = torch.empty(bucket.numel, dtype=bucket.reduce_dtype, device=self.device)
+            # Over one rank the input is the output, which the transport leaves in place.
+            output = source.view(-1) if size == 1 else \
+                torch.empty(bucket.numel, dtype=bucket.reduce_dtype, device=self.device)
             code = dtype_code(bucket.reduce_dtype)
             # Averaged in the collective unless a division follows (_post_divide_factor).
             redop = REDOP_SUM if self._post_divide_factor(bucket) is not None or \
