@@ -443,14 +443,7 @@ class FullyShardedDataParallel(nn.Module):
         """The optimizer's state dict keyed by parameter names, full tensors under
         FULL_STATE_DICT (on rank 0 only with FullOptimStateDictConfig(rank0_only=True)) and
         DTensor shards under SHARDED_STATE_DICT."""
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
-                                                             get_optimizer_state_dict)
-        full, rank0_only = _optim_settings(model)
-        # Keyed by the original names: see [Note: wrappers in torch.distributed.checkpoint]
-        # in dptc/_dcp.py.
-        with torch_methods():
-            return get_optimizer_state_dict(model, optim, options=StateDictOptions(
-                full_state_dict=full, cpu_offload=rank0_only))
+        return _optimizer_state(model, optim, *_optim_settings(model))
 
     # -- the optimizer state-dict API before optim_state_dict (torch: deprecated) ---------------
 
@@ -459,22 +452,14 @@ class FullyShardedDataParallel(nn.Module):
         """The full optimizer state keyed by parameter names; with rank0_only, on rank 0 (the
         other ranks get {})."""
         _warn_legacy("full_optim_state_dict", "optim_state_dict")
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
-                                                             get_optimizer_state_dict)
-        with torch_methods():
-            return get_optimizer_state_dict(model, optim, options=StateDictOptions(
-                full_state_dict=True, cpu_offload=rank0_only))
+        return _optimizer_state(model, optim, full=True, rank0_only=rank0_only)
 
     @staticmethod
     def sharded_optim_state_dict(model, optim, group=None):
         """The optimizer state keyed by parameter names, each rank's shards as DTensors (where
         torch's FSDP1 gives ShardedTensors)."""
         _warn_legacy("sharded_optim_state_dict", "optim_state_dict")
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
-                                                             get_optimizer_state_dict)
-        with torch_methods():
-            return get_optimizer_state_dict(model, optim,
-                                            options=StateDictOptions(full_state_dict=False))
+        return _optimizer_state(model, optim, full=False, rank0_only=False)
 
     @staticmethod
     def shard_full_optim_state_dict(full_optim_state_dict, model, optim_input=None,
@@ -540,6 +525,17 @@ class FullyShardedDataParallel(nn.Module):
             set_optimizer_state_dict(model, optim, optim_state_dict, options=StateDictOptions(
                 full_state_dict=full, broadcast_from_rank0=rank0_only))
         return optim.state_dict()
+
+
+def _optimizer_state(model, optim, full, rank0_only):
+    """optim's state dict keyed by the original parameter names (see [Note: wrappers in
+    torch.distributed.checkpoint] in dptc/_dcp.py): full tensors (on rank 0 only with
+    rank0_only) or this rank's DTensor shards."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                         get_optimizer_state_dict)
+    with torch_methods():
+        return get_optimizer_state_dict(model, optim, options=StateDictOptions(
+            full_state_dict=full, cpu_offload=rank0_only))
 
 
 def _optim_settings(model):
