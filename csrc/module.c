@@ -716,9 +716,11 @@ typedef struct {
 
 static void coll_done(issued *is) { PyMem_Free(is->pieces); }
 
-/* Fills the several-output form of an all-gather from a sequence of output
- * tensors: output j gets size * piece_j elements. */
-static int parse_outputs(PyObject *outputs, int size, issued *is)
+/* Fills the several-output form from a sequence of output tensors (see
+ * [Note: several pieces] in shm.c): for an all-gather, output j gets
+ * `blocks` (the group size) times piece j's elements; for an all-reduce in
+ * place (blocks 1), output j is piece j. */
+static int parse_outputs(PyObject *outputs, int blocks, issued *is)
 {
     PyObject *seq = PySequence_Fast(outputs, "output must be a tensor or a list of tensors");
     if (!seq)
@@ -741,12 +743,12 @@ static int parse_outputs(PyObject *outputs, int size, issued *is)
         PyObject *t = PySequence_Fast_GET_ITEM(seq, j);
         if (dptc_tensor_data(t, &ptrs[j]) != DPTC_OK || dptc_tensor_numel(t, &numel) != DPTC_OK)
             goto exit;
-        if (numel % (size_t)size != 0) {
+        if (numel % (size_t)blocks != 0) {
             PyErr_Format(PyExc_ValueError, "outputs[%zd] has %zu elements, not a multiple of "
-                         "the group size %d", j, numel, size);
+                         "the group size %d", j, numel, blocks);
             goto exit;
         }
-        counts[j] = numel / (size_t)size;
+        counts[j] = numel / (size_t)blocks;
         total += counts[j];
     }
     if (total != is->coll.count) {
@@ -813,6 +815,20 @@ static int parse_coll(GroupObject *self, PyObject *const *args, Py_ssize_t nargs
         return -1;
     if (c->op == DPTC_OP_ALL_GATHER && (PyList_Check(args[4]) || PyTuple_Check(args[4])))
         return parse_outputs(args[4], self->size, is);
+    if (c->op == DPTC_OP_ALL_REDUCE && PyList_Check(args[4])) {
+        if (args[3] != Py_None) {
+            PyErr_SetString(PyExc_ValueError, "an all-reduce of a list of tensors is in place: "
+                                              "pass input=None");
+            return -1;
+        }
+        if (!self->shm) {
+            PyErr_SetString(PyExc_TypeError, "an all-reduce of a list of tensors runs on the "
+                                             "shared-memory transport only; this group moves "
+                                             "CUDA tensors through NCCL");
+            return -1;
+        }
+        return parse_outputs(args[4], 1, is);
+    }
     if (args[4] == args[3]) {  /* in place: one question to the tensor is enough */
         c->output = c->input;
         return 0;

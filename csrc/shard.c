@@ -288,7 +288,13 @@ static PyObject *unit_reset_ready(UnitObject *self, PyObject *Py_UNUSED(ignored)
  * Reduce-scatters `input` (group size * count elements) into `output` on the
  * reduce stream.  `after`, when given, is (group, dtype, redop, stream): the
  * all-reduce of `output` across that group (HSDP's replicas) that
- * wait_reduce runs once the reduce-scatter is done. */
+ * wait_reduce runs once the reduce-scatter is done.
+ *
+ * Over a shard group of one rank the reduce-scatter would leave its input
+ * as it is, so input may be None with output a list of tensors of count
+ * elements in all: nothing is reduce-scattered, and `after` all-reduces the
+ * list in place, piece by piece (see [Note: a shard group of one] in
+ * dptc/fsdp/_unit.py). */
 static PyObject *unit_reduce(UnitObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 5 && nargs != 6) {
@@ -305,19 +311,27 @@ static PyObject *unit_reduce(UnitObject *self, PyObject *const *args, Py_ssize_t
         PyErr_SetString(PyExc_TypeError, "reduce: after must be (group, dtype, redop, stream)");
         return NULL;
     }
-    if (unit_open_range(self, &self->reduce_range, "dptc::reduce_scatter") < 0)
+    int pieces = args[2] == Py_None;
+    if (pieces && !PyList_Check(args[3])) {
+        PyErr_SetString(PyExc_TypeError, "reduce: with input None, output must be a list of "
+                                         "tensors (a shard group of one)");
         return NULL;
-    self->reduce_work = submit(self, self->group, DPTC_OP_REDUCE_SCATTER, args[0], args[1],
-                               args[2], args[3], args[4], self->reduce_stream);
-    if (!self->reduce_work) {
-        unit_close_range(self, &self->reduce_range);  /* keeps submit's exception */
-        return NULL;
+    }
+    if (!pieces) {
+        if (unit_open_range(self, &self->reduce_range, "dptc::reduce_scatter") < 0)
+            return NULL;
+        self->reduce_work = submit(self, self->group, DPTC_OP_REDUCE_SCATTER, args[0], args[1],
+                                   args[2], args[3], args[4], self->reduce_stream);
+        if (!self->reduce_work) {
+            unit_close_range(self, &self->reduce_range);  /* keeps submit's exception */
+            return NULL;
+        }
     }
     self->grads = GRADS_REDUCING;
     Py_XSETREF(self->after_reduce,
-               after ? PyTuple_Pack(5, PyTuple_GET_ITEM(after, 0), PyTuple_GET_ITEM(after, 1),
+               after ? PyTuple_Pack(6, PyTuple_GET_ITEM(after, 0), PyTuple_GET_ITEM(after, 1),
                                     PyTuple_GET_ITEM(after, 2), args[3],
-                                    PyTuple_GET_ITEM(after, 3))
+                                    PyTuple_GET_ITEM(after, 3), args[4])
                      : NULL);
     if (after && !self->after_reduce)
         return NULL;
@@ -333,20 +347,22 @@ static int run_after_reduce(UnitObject *self)
     if (!after)
         return 0;
     int rc = -1;
-    PyObject *group = PyTuple_GET_ITEM(after, 0), *tensor = PyTuple_GET_ITEM(after, 3);
+    /* (group, dtype, redop, output, stream, count); a list of outputs is
+     * all-reduced in place as pieces (input None). */
+    PyObject *group = PyTuple_GET_ITEM(after, 0), *output = PyTuple_GET_ITEM(after, 3);
+    PyObject *input = PyList_Check(output) ? Py_None : output;
     PyObject *range = NULL;
-    PyObject *count = PyObject_CallMethod(tensor, "numel", NULL);
     long stream = PyLong_AsLong(PyTuple_GET_ITEM(after, 4));
     PyObject *work = NULL;
-    if (count && !(stream == -1 && PyErr_Occurred()) &&
+    if (!(stream == -1 && PyErr_Occurred()) &&
         unit_open_range(self, &range, "dptc::all_reduce") == 0)
         work = submit(self, group, DPTC_OP_ALL_REDUCE, PyTuple_GET_ITEM(after, 1),
-                      PyTuple_GET_ITEM(after, 2), tensor, tensor, count, (int)stream);
+                      PyTuple_GET_ITEM(after, 2), input, output, PyTuple_GET_ITEM(after, 5),
+                      (int)stream);
     if (work)
         rc = finish(&work);
     if (unit_close_range(self, &range) < 0)
         rc = -1;
-    Py_XDECREF(count);
     Py_DECREF(after);
     return rc;
 }

@@ -147,6 +147,26 @@ def test_run_refuses_raw_addresses():
     assert outcomes["after"] == [2.5] * 3, outcomes
 
 
+def test_all_reduce_of_a_list_of_tensors():
+    """An all-reduce whose output is a list of tensors (input None) reduces each in place,
+    as one operand of their summed size, exactly (float64 integers, 2 ranks, SUM and AVG); an
+    input given with it, or a count other than the pieces' total, is a ValueError that says
+    so, raised before anything runs."""
+    world = 2
+    results = run_ranks("tests.workers_edges:all_reduce_pieces", world, timeout=60)
+    sizes = (5, 70001, 3)
+    ranks_sum = sum(r + 1 for r in range(world))
+    for result in results:
+        for k, n in enumerate(sizes):
+            expected = [float(i * ranks_sum + world * k) for i in range(n)]
+            assert result["sum"][k] == expected, k
+            assert result["avg"][k] == [v / world for v in expected], k
+        assert result["errors"]["input"]["type"] == "ValueError", result["errors"]
+        assert "input=None" in result["errors"]["input"]["message"], result["errors"]
+        assert result["errors"]["count"]["type"] == "ValueError", result["errors"]
+        assert "add up to" in result["errors"]["count"]["message"], result["errors"]
+
+
 # ---------------------------------------------------------------------------------------------
 # Several Python threads on one group
 

@@ -220,7 +220,8 @@ def test_hybrid_shard_two_torchrun_nodes():
 def test_construction_options_and_checkpointing():
     """sync_module_states makes rank 1 start from rank 0's weights; param_init_fn runs once
     per module left on the meta device, and under NO_SHARD the parameters forward sees are the
-    shard buffers themselves; ignored_modules stay whole; activation checkpointing
+    shard buffers themselves and the gradients are reduced where autograd left them;
+    ignored_modules stay whole; activation checkpointing
     applied after wrapping keeps the numbers and the state-dict keys: each trained against the
     single-process reference (float64)."""
     for result in run_ranks("tests.workers_fsdp1:extras_case", 2, timeout=LAUNCH_TIMEOUT_S):
@@ -229,6 +230,9 @@ def test_construction_options_and_checkpointing():
         # NO_SHARD: every parameter in forward is its shard's memory, no gathered copy.
         assert result["no_shard_params"] > 0, result
         assert result["no_shard_in_place"] == result["no_shard_params"], result
+        # ... and its gradients are reduced in place, each the one autograd made.
+        assert result["no_shard_grads"] == result["no_shard_params"], result
+        assert result["no_shard_grad_storages"] == result["no_shard_grads"], result
         assert result["no_shard_rel"] <= FLOAT64_TOLERANCE, result
         assert result["ignored_plain"] and result["ignored_rel"] <= FLOAT64_TOLERANCE, result
         assert result["checkpointed"] == 2, result

@@ -154,6 +154,37 @@ def raw_addresses():
     return outcomes
 
 
+def all_reduce_pieces():
+    """Group.run and Group.submit all-reducing a list of tensors in place (input None), the
+    form FSDP uses over a shard group of one: each rank's pieces (uneven sizes, large enough
+    to take the round-by-round path) hold rank-dependent values; returns the results and what
+    the malformed calls raised."""
+    import dptc
+    from dptc._dtypes import OP_ALL_REDUCE, REDOP_AVG, REDOP_SUM, dtype_code
+    rank = dptc.get_rank()
+    c = dptc.group.default_group()._c
+    sizes = (5, 70001, 3)
+    code = dtype_code(torch.float64)
+
+    def pieces():
+        return [torch.arange(n, dtype=torch.float64) * (rank + 1) + k
+                for k, n in enumerate(sizes)]
+    summed, averaged = pieces(), pieces()
+    c.run(OP_ALL_REDUCE, code, REDOP_SUM, None, summed, sum(sizes), 0, 0)
+    c.submit(OP_ALL_REDUCE, code, REDOP_AVG, None, averaged, sum(sizes), 0, 0).wait()
+    out = {"sum": [p.tolist() for p in summed], "avg": [p.tolist() for p in averaged]}
+    errors = {}
+    for name, args in {"input": (pieces()[0], pieces()), "count": (None, pieces())}.items():
+        count = sum(sizes) + (1 if name == "count" else 0)
+        try:
+            c.run(OP_ALL_REDUCE, code, REDOP_SUM, args[0], args[1], count, 0, 0)
+            errors[name] = None
+        except Exception as error:  # noqa: BLE001
+            errors[name] = _error(error)
+    out["errors"] = errors
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # 4. Several Python threads on one group
 

@@ -368,6 +368,13 @@ def extras_case():
         hook.remove()
     out["no_shard_params"] = len(shards)
     out["no_shard_in_place"] = sum(in_forward.get(key) == ptr for key, ptr in shards.items())
+    # The gradients are all-reduced where autograd left them and become the sharded ones:
+    # each in a storage of its own, none laid out in a unit's reduce buffer.
+    _backward(wrapped, None, rank, world, torch.Generator().manual_seed(SEED))
+    grads = [p.grad.to_local() for p in wrapped.parameters() if p.grad is not None]
+    out["no_shard_grads"] = len(grads)
+    out["no_shard_grad_storages"] = len({g.untyped_storage().data_ptr() for g in grads})
+    wrapped.zero_grad()
     with FSDP.summon_full_params(wrapped, writeback=False):
         out["no_shard_rel"] = max_rel([p.detach() for p in wrapped.parameters()],
                                    [p.detach() for p in ref.parameters()])

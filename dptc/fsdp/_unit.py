@@ -246,7 +246,8 @@ class _Bucket:
         self.c = _C.Unit(engine, len(params), gather_stream=0,
                          reduce_stream=1 if num_streams > 1 else 0,
                          current_stream=current_stream)
-        self.reduce_output = None            # the reduce-scatter's output until finalized
+        self.reduce_output = None            # the reduce-scatter's output until finalized,
+                                             # or the list of gradients reduced in place
         self.reduce_had_grad = None          # which parameters had a gradient to reduce
         self.redop = None                    # of the reduction in flight
         self.partial = None                  # HSDP: reduce-scattered, not yet all-reduced
@@ -395,6 +396,27 @@ class Unit:
         shard that the next forward gathers."""
         return (self.group.size == 1 and self.device.type == "cpu" and p.dim == 0 and
                 p.tp_spec is None and bucket.compute_dtype == bucket.orig_dtype)
+
+    def _reduces_in_place(self, bucket, grads, after):
+        """Whether bucket's gradients are reduced where autograd left them: over a shard
+        group of one (see [Note: a shard group of one]), each parameter's gradient is its
+        sharded gradient whole.  Then nothing is laid out in a reduce buffer: the replicas'
+        all-reduce (HSDP's, or NO_SHARD's across ranks) runs in place on the gradients, piece
+        by piece (the transport stages them as one operand, see [Note: several pieces] in
+        csrc/shm.c), and they become the sharded gradients.  Per unit and step that saves
+        the copy of its gradients into freshly allocated memory, and the page faults.  Held
+        where the reduction needs nothing of a flat buffer: no dtype cast, contiguous
+        gradients, no set_all_reduce_hook (its hook takes the flat output), and no partial
+        sums across backwards (set_requires_all_reduce(False))."""
+        if self.group.size != 1 or self.device.type != "cpu" or \
+                self.all_reduce_hook is not None or bucket.partial is not None:
+            return False
+        if self.replicate_group is not None and after is None:
+            return False
+        if not (bucket.compute_dtype == bucket.orig_dtype == bucket.reduce_dtype):
+            return False
+        return all(p.dim == 0 and p.tp_spec is None and grad.dtype == bucket.reduce_dtype and
+                   grad.is_contiguous() for p, grad in grads)
 
     def _new_flat(self, bucket, on_meta=False):
         """A zeroed shard buffer for bucket.  On one CPU node, where the all-gather's input is
@@ -682,6 +704,21 @@ class Unit:
             if not any(had):
                 continue
             dtype = bucket.reduce_dtype
+            code = dtype_code(dtype)
+            # Averaged in the collective unless a division follows (_post_divide_factor).
+            redop = REDOP_SUM if self._post_divide_factor(bucket) is not None or \
+                not dtype.is_floating_point else REDOP_AVG
+            after = None
+            if self.replicate_group is not None and all_reduce and bucket.partial is None:
+                after = (self.engine(self.replicate_group), code, redop,
+                         self._replicate_stream())
+            if self._reduces_in_place(bucket, grads, after):
+                pieces = [grad.view(-1) for _, grad in grads]
+                bucket.c.reduce(code, redop, None, pieces, bucket.numel, after)
+                bucket.redop = redop
+                bucket.reduce_output = pieces
+                bucket.reduce_had_grad = had
+                continue
             if shared_input is not None and dtype not in buffers:
                 buffers[dtype], offsets[dtype] = shared_input(dtype), 0
             if buffers.get(dtype) is not None:
@@ -699,14 +736,6 @@ class Unit:
             # Over one rank the input is the output, which the transport leaves in place.
             output = source.view(-1) if size == 1 else \
                 torch.empty(bucket.numel, dtype=bucket.reduce_dtype, device=self.device)
-            code = dtype_code(bucket.reduce_dtype)
-            # Averaged in the collective unless a division follows (_post_divide_factor).
-            redop = REDOP_SUM if self._post_divide_factor(bucket) is not None or \
-                not bucket.reduce_dtype.is_floating_point else REDOP_AVG
-            after = None
-            if self.replicate_group is not None and all_reduce and bucket.partial is None:
-                after = (self.engine(self.replicate_group), code, redop,
-                         self._replicate_stream())
             bucket.c.reduce(code, redop, source, output, bucket.numel, after)
             bucket.redop = redop
             bucket.reduce_output = output
@@ -781,13 +810,17 @@ class Unit:
                         output.numel(), 0, self._replicate_stream())
             if self.all_reduce_hook is not None:
                 self._run_all_reduce_hook(output)
+            # A list: the gradients themselves, reduced in place (_reduces_in_place).
+            pieces = iter(output) if isinstance(output, list) else None
             factor = self._post_divide_factor(bucket)
             if factor is not None:
-                output.div_(factor)
+                for piece in output if pieces is not None else [output]:
+                    piece.div_(factor)
             for p, has in zip(bucket.params, had):
+                piece = next(pieces) if pieces is not None and p.piece > 0 else None
                 if not has or not p.sharded.requires_grad:
                     continue
-                local = p.local_view(output)
+                local = p.local_view(output) if pieces is None else piece.view(p.local_shape)
                 if local.dtype != p.orig_dtype:
                     local = local.to(p.orig_dtype)
                 grad = p.sharded.grad
