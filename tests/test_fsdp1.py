@@ -317,3 +317,42 @@ def test_cuda_device_id_without_cuda_is_a_clear_error():
     with pytest.raises(ValueError, match=r"device_id=0 names a CUDA device, but this torch sees "
                                          r"none .*pass device_id=None or 'cpu'"):
         FullyShardedDataParallel(torch.nn.Linear(4, 4), device_id=0)
+
+
+def test_register_comm_hook_as_torchs():
+    """register_comm_hook, 2 ranks, float32, NO_SHARD and FULL_SHARD.  torch's default hooks
+    (allreduce_hook, reduce_scatter_hook), which dptc runs on its engine, and the same behind
+    a Python hook (over gloo) train to the single-process reference (1e-5) and to torch's
+    FSDP1 parameters with the same hook; the Python hook sees the calls torch's FSDP1 makes
+    (one per unit and synced backward, the unit's flat gradient and, sharded, its shard).
+    fp16_compress_hook (torch 2.13's own fails on CPU, in a CUDA-only record_stream) equals
+    its arithmetic written out as a Python hook over gloo, bit for bit, and is visibly not
+    the float32 result.  Misuse raises what torch's raises."""
+    mine = run_ranks("tests.workers_fsdp1:comm_hook_case", 2, args={"impl": "dptc"},
+                     timeout=LAUNCH_TIMEOUT_S)
+    theirs = run_ranks("tests.workers_fsdp1:comm_hook_case", 2, args={"impl": "torch"},
+                       timeout=LAUNCH_TIMEOUT_S, reference=True)
+    for rank, (result, reference) in enumerate(zip(mine, theirs)):
+        for strategy in ("NO_SHARD", "FULL_SHARD"):
+            for name in ("default", "python", "fp16", "fp16_python"):
+                case = result[f"{strategy}/{name}"]
+                assert case["ok"], f"rank {rank} {strategy}/{name}:\n{case.get('error')}"
+            for name in ("default", "python"):
+                case, torch_case = result[f"{strategy}/{name}"], reference[f"{strategy}/{name}"]
+                assert torch_case["ok"], torch_case.get("error")
+                assert case["ref_rel"] <= 1e-5, (rank, strategy, name, case["ref_rel"])
+                drift = max(abs(a - b) for p, q in zip(case["params"], torch_case["params"])
+                            for a, b in zip(p, q))
+                assert drift <= 1e-6, (rank, strategy, name, drift)
+            calls = result[f"{strategy}/python"]["calls"]
+            assert calls == reference[f"{strategy}/python"]["calls"], (rank, strategy)
+            assert len(calls) == 3 * 2, calls       # 3 units, 2 synced backwards
+            assert all((out is None) == (strategy == "NO_SHARD") for _, out in calls), calls
+            fp16, written = result[f"{strategy}/fp16"], result[f"{strategy}/fp16_python"]
+            assert fp16["params"] == written["params"], (rank, strategy)
+            assert fp16["params"] != result[f"{strategy}/default"]["params"], (rank, strategy)
+            assert 1e-4 < fp16["ref_rel"] < 0.1, (rank, strategy, fp16["ref_rel"])
+        for misuse in ("not callable", "twice", "not root"):
+            assert result["errors"][misuse] == reference["errors"][misuse], misuse
+        kind, message = result["errors"]["hybrid"]
+        assert kind == "AssertionError" and "hybrid" in message, result["errors"]["hybrid"]

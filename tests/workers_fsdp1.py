@@ -728,3 +728,89 @@ def dcp_case(impl, path):
         out["from_rank0_dsd"] = step(model, model_opt)
     dist.destroy_process_group()
     return out
+
+
+def _error(call):
+    try:
+        call()
+    except Exception as error:  # noqa: BLE001 - reported to the test
+        return [type(error).__name__, str(error)]
+    return None
+
+
+def comm_hook_case(impl):
+    """register_comm_hook, 2 ranks, float32: per (strategy, hook), the trained parameters
+    against the single-process reference and as a list (the test compares the two impls),
+    and the calls a Python hook saw; then what misuse raises.  Hooks: torch's default ones
+    ("default": allreduce_hook under NO_SHARD, reduce_scatter_hook otherwise; dptc runs them
+    natively), the same behind a Python function of the test's ("python", over gloo),
+    fp16_compress_hook ("fp16"), and its arithmetic written out in the test ("fp16_python",
+    over gloo, without the record_stream that fails on CPU)."""
+    import torch.distributed as dist
+    from torch.distributed.algorithms._comm_hooks import default_hooks
+    load_impl("torch")
+    api, FSDP = _api(impl)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for strategy in ("NO_SHARD", "FULL_SHARD"):
+        default = default_hooks.allreduce_hook if strategy == "NO_SHARD" else \
+            default_hooks.reduce_scatter_hook
+        calls = []
+
+        def python_hook(state, grad, output=None, default=default, calls=calls):
+            calls.append([grad.numel(), None if output is None else output.numel()])
+            default(state, grad) if output is None else default(state, grad, output)
+        def fp16_python(state, grad, output=None, default=default):
+            # torch's fp16_compress_hook without its CUDA-only record_stream, over gloo.
+            grad.data = grad.data.to(torch.float16)
+            if output is None:
+                default(state, grad)
+                grad.data = grad.data.to(state.parameter_type)
+                return
+            output.data = output.data.to(torch.float16)
+            default(state, grad, output)
+            output.data = output.data.to(state.parameter_type)
+        hooks = {"default": (default_hooks.DefaultState(dist.group.WORLD), default),
+                 "python": (default_hooks.DefaultState(dist.group.WORLD), python_hook),
+                 "fp16": (default_hooks.LowPrecisionState(dist.group.WORLD),
+                          default_hooks.fp16_compress_hook),
+                 "fp16_python": (default_hooks.LowPrecisionState(dist.group.WORLD),
+                                 fp16_python)}
+        for name, (state, hook) in hooks.items():
+            key = f"{strategy}/{name}"
+            try:
+                model, ref = build(n_layer=2).float(), build(n_layer=2).float()
+                wrapped = _wrap(impl, model, strategy)
+                wrapped.register_comm_hook(state, hook)
+                _train(impl, wrapped, ref, rank, world)
+                with FSDP.summon_full_params(wrapped, writeback=False):
+                    params = [p.detach().clone() for p in wrapped.parameters()]
+                out[key] = {"ok": True,
+                            "ref_rel": max_rel(params, [p.detach() for p in ref.parameters()]),
+                            "params": [p.flatten().tolist() for p in params],
+                            "calls": list(calls) if name == "python" else None}
+                calls.clear()
+            except Exception:  # noqa: BLE001 - reported to the test
+                out[key] = {"ok": False, "error": traceback.format_exc()}
+    # Misuse: each as torch raises it.
+    model = _wrap(impl, build(n_layer=2).float(), "FULL_SHARD")
+    state = default_hooks.DefaultState(dist.group.WORLD)
+    errors = {"not callable": _error(lambda: model.register_comm_hook(state, 3))}
+    model.register_comm_hook(state, default_hooks.reduce_scatter_hook)
+    errors["twice"] = _error(
+        lambda: model.register_comm_hook(state, default_hooks.reduce_scatter_hook))
+    x = torch.randint(0, 64, (ROWS, 8))
+    model(x).sum().backward()
+    inner = FSDP.fsdp_modules(model)[0]
+    inner = inner if inner is not model else FSDP.fsdp_modules(model)[1]
+    errors["not root"] = _error(
+        lambda: inner.register_comm_hook(state, default_hooks.reduce_scatter_hook))
+    hybrid = _wrap(impl, build(n_layer=2).float(), "HYBRID_SHARD")
+    errors["hybrid"] = _error(
+        lambda: hybrid.register_comm_hook(state, default_hooks.reduce_scatter_hook))
+    out["errors"] = errors
+    if impl == "dptc":
+        import dptc
+        dptc.destroy_process_group()
+    dist.destroy_process_group()
+    return out

@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor
 from .._dcp import recognise, torch_methods
 from ..group import default_group
 from ._api import MixedPrecisionPolicy
+from ._comm_hooks import resolve as resolve_comm_hook
 from ._fully_shard import FSDPModule, fully_shard
 from ._wrap import policy_targets
 
@@ -505,10 +506,29 @@ class FullyShardedDataParallel(nn.Module):
                                  for group in optim_state_dict["param_groups"]]}
 
     def register_comm_hook(self, state, hook):
-        raise NotImplementedError(
-            "FullyShardedDataParallel.register_comm_hook is not implemented by dptc; for "
-            "gradients reduced in float16 or bfloat16 pass "
-            "MixedPrecision(reduce_dtype=torch.float16) (or torch.bfloat16) instead")
+        """torch's FSDP1 communication hook, on the root for every instance of its tree:
+        ``hook(state, grad)`` all-reduces a unit's flat gradient in place under NO_SHARD,
+        ``hook(state, grad, output)`` reduce-scatters it into output under the sharded
+        strategies; torch's default_hooks run on dptc's engine (see dptc/fsdp/_comm_hooks.py).
+        Register it once, before the first forward; not for the hybrid strategies, as
+        torch's."""
+        if not self.check_is_root():
+            raise AssertionError("register_comm_hook can only be called on a root instance.")
+        instances = self.fsdp_modules(self)
+        for instance in instances:
+            if instance.sharding_strategy in _HYBRID:
+                raise AssertionError(f"Communication hook is not supported for hybrid "
+                                     f"strategies: {instance.sharding_strategy}")
+            if instance.__dict__.get("_comm_hook") is not None:
+                raise AssertionError("A communication hook is already registered")
+        if not callable(hook):
+            raise ValueError(f"The communication hook must be callable but got {hook}")
+        runs = resolve_comm_hook(hook)
+        for instance in instances:
+            instance.__dict__["_comm_hook"] = hook
+            unit = instance.__dict__["_fsdp_state"].unit
+            if unit is not None:
+                unit.comm_hook = (state, runs)
 
     @staticmethod
     def optim_state_dict_to_load(model, optim, optim_state_dict, is_named_optimizer=False,

@@ -217,6 +217,17 @@ def local_data(param):
     return param._local_tensor if isinstance(param, DTensor) else param
 
 
+def _lay_out(grads, source):
+    """Writes the (param, full gradient) pairs into source (group size x shard numel), each
+    rank's row holding that rank's pieces, padded with zeros: the reduce-scatter's input."""
+    if any(p.dim for p, _ in grads):
+        for p, grad in grads:
+            p.lay_out_gradient(grad, source)
+    elif grads:
+        torch._chunk_cat([grad.reshape(p.extent, p.row_numel) for p, grad in grads],
+                         dim=0, num_chunks=source.shape[0], out=source)
+
+
 def _contiguous_stride(shape):
     stride, acc = [], 1
     for dim in reversed(shape):
@@ -253,6 +264,7 @@ class _Bucket:
         self.partial = None                  # HSDP: reduce-scattered, not yet all-reduced
         self.partial_had = None
         self.kept = None                     # after a reshard to a smaller group: its input
+        self.hooked = False                  # reduced by FSDP1's communication hook
 
 
 class ReduceRing:
@@ -334,6 +346,7 @@ class Unit:
         self.divide_factor = None        # set_gradient_divide_factor
         self.force_sum = False           # set_force_sum_reduction_for_comms
         self.all_reduce_hook = None      # set_all_reduce_hook: (hook, CUDA stream or None)
+        self.comm_hook = None            # FSDP1's register_comm_hook: (state, hook)
         self.label = "unit"              # its name in profiler ranges, see set_label
         # reshard_after_forward as an int: the smaller group backward gathers over, or None.
         self.post_forward_group = None
@@ -712,6 +725,9 @@ class Unit:
             if self.replicate_group is not None and all_reduce and bucket.partial is None:
                 after = (self.engine(self.replicate_group), code, redop,
                          self._replicate_stream())
+            if self.comm_hook is not None:
+                self._run_comm_hook(bucket, grads, had, code, redop)
+                continue
             if self._reduces_in_place(bucket, grads, after):
                 pieces = [grad.view(-1) for _, grad in grads]
                 bucket.c.reduce(code, redop, None, pieces, bucket.numel, after)
@@ -727,12 +743,7 @@ class Unit:
                 offsets[dtype] += size * bucket.numel * dtype.itemsize
             else:
                 source = torch.empty((size, bucket.numel), dtype=dtype, device=self.device)
-            if any(p.dim for p, _ in grads):
-                for p, grad in grads:
-                    p.lay_out_gradient(grad, source)
-            elif grads:
-                torch._chunk_cat([grad.reshape(p.extent, p.row_numel) for p, grad in grads],
-                                 dim=0, num_chunks=size, out=source)
+            _lay_out(grads, source)
             # Over one rank the input is the output, which the transport leaves in place.
             output = source.view(-1) if size == 1 else \
                 torch.empty(bucket.numel, dtype=bucket.reduce_dtype, device=self.device)
@@ -740,6 +751,27 @@ class Unit:
             bucket.redop = redop
             bucket.reduce_output = output
             bucket.reduce_had_grad = had
+
+    def _run_comm_hook(self, bucket, grads, had, code, redop):
+        """FSDP1's communication hook reduces bucket's gradients, laid out as the reduce-
+        scatter takes them, on the calling thread (see dptc/fsdp/_comm_hooks.py); the C unit
+        then holds a reduction with nothing in flight."""
+        size = self.group.size
+        source = torch.empty((size, bucket.numel), dtype=bucket.reduce_dtype, device=self.device)
+        _lay_out(grads, source)
+        state, hook = self.comm_hook
+        grad = source.view(-1)
+        if size == 1:
+            hook(state, grad)
+            output = grad
+        else:
+            output = torch.empty(bucket.numel, dtype=bucket.reduce_dtype, device=self.device)
+            hook(state, grad, output)
+        bucket.c.reduce(code, redop, None, [], 0, None)
+        bucket.redop = redop
+        bucket.reduce_output = output
+        bucket.reduce_had_grad = had
+        bucket.hooked = True
 
     def _post_divide_factor(self, bucket):
         """What a reduced bucket is divided by after the collectives summed it (None: they
@@ -812,7 +844,9 @@ class Unit:
                 self._run_all_reduce_hook(output)
             # A list: the gradients themselves, reduced in place (_reduces_in_place).
             pieces = iter(output) if isinstance(output, list) else None
-            factor = self._post_divide_factor(bucket)
+            # A communication hook divided as it chose.
+            factor = None if bucket.hooked else self._post_divide_factor(bucket)
+            bucket.hooked = False
             if factor is not None:
                 for piece in output if pieces is not None else [output]:
                     piece.div_(factor)
