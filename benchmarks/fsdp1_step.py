@@ -43,6 +43,10 @@ def parse_args(argv):
     parser.add_argument("--n-layer", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per phase")
     parser.add_argument("--steps", type=int, default=25, help="timed steps per phase")
+    parser.add_argument("--comm-hook", choices=("none", "default"), default="none",
+                        help="default: both FSDP1s reduce through torch's default comm hook "
+                             "(allreduce_hook under NO_SHARD, reduce_scatter_hook otherwise), "
+                             "registered with register_comm_hook on the world group")
     parser.add_argument("--timeout", type=float, default=600,
                         help="torch.distributed init timeout in seconds (default 600)")
     args = parser.parse_args(argv)
@@ -86,6 +90,12 @@ def main(argv=None):
             auto_wrap_policy=policy(transformer_auto_wrap_policy), use_orig_params=True),
         "dptc DDP": dptc.DistributedDataParallel(copy.deepcopy(base)),
     }
+    if args.comm_hook == "default":
+        from torch.distributed.algorithms._comm_hooks import default_hooks
+        hook = default_hooks.allreduce_hook if args.strategy == "NO_SHARD" else \
+            default_hooks.reduce_scatter_hook
+        for name in ("dptc FSDP1", "torch FSDP1"):
+            models[name].register_comm_hook(default_hooks.DefaultState(dist.group.WORLD), hook)
     optimizers = {name: torch.optim.AdamW(model.parameters(), lr=1e-4)
                   for name, model in models.items()}
     generator = torch.Generator().manual_seed(rank)
@@ -100,7 +110,8 @@ def main(argv=None):
                              torch_fsdp.FullyShardedDataParallel.summon_full_params)
     drift = max((a - b).abs().max().item() for a, b in zip(mine, theirs))
     if rank == 0:
-        print(f"# fsdp1_step: {dist.get_world_size()} ranks, {args.strategy}, torch "
+        hooked = ", torch's default comm hook" if args.comm_hook == "default" else ""
+        print(f"# fsdp1_step: {dist.get_world_size()} ranks, {args.strategy}{hooked}, torch "
               f"{torch.__version__}, GPT d_model {args.d_model}, {args.n_layer} layers, "
               f"{sum(p.numel() for p in base.parameters()) / 1e6:.2f} M parameters; median "
               f"of {args.steps} steps of the slowest rank")
