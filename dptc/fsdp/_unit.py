@@ -217,6 +217,13 @@ def local_data(param):
     return param._local_tensor if isinstance(param, DTensor) else param
 
 
+def _like_shard(local, shard):
+    """local, a tensor of shard's local shape and dtype, as a DTensor laid out as shard:
+    on the shard's own spec, without from_local's autograd function (a backward makes one
+    per parameter, for its gradient; torch's fully_shard makes its gradients so too)."""
+    return DTensor(local, shard._spec, requires_grad=False)
+
+
 def _lay_out(grads, source):
     """Writes the (param, full gradient) pairs into source (group size x shard numel), each
     rank's row holding that rank's pieces, padded with zeros: the reduce-scatter's input."""
@@ -859,7 +866,7 @@ class Unit:
                     local = local.to(p.orig_dtype)
                 grad = p.sharded.grad
                 if grad is None:
-                    p.sharded.grad = self._dtensor(local, p)
+                    p.sharded.grad = _like_shard(local, p.sharded)
                 elif grad.dtype != p.orig_dtype:     # kept in low precision last time
                     self._set_grad_local(p, grad._local_tensor.to(p.orig_dtype) + local)
                 else:
