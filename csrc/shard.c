@@ -199,7 +199,10 @@ static int unit_close_range(UnitObject *self, PyObject **range)
  * concatenation of this rank's pieces) into the list of unsharded
  * `outputs`, over the unit's group or, after a reshard to a smaller group
  * in forward, over `group` (a dptc._C.Group with as many streams).  False,
- * doing nothing, when the unit is already unsharding or unsharded. */
+ * doing nothing, when the unit is already unsharding or unsharded.  With
+ * input None there is nothing to gather (the unsharded parameters are the
+ * shard buffer, see [Note: a shard group of one] in dptc/fsdp/_unit.py): the
+ * unit goes to UNSHARDING with no work in flight. */
 static PyObject *unit_unshard(UnitObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 4 && nargs != 5) {
@@ -208,6 +211,10 @@ static PyObject *unit_unshard(UnitObject *self, PyObject *const *args, Py_ssize_
     }
     if (self->state != UNIT_SHARDED)
         Py_RETURN_FALSE;
+    if (args[1] == Py_None) {
+        self->state = UNIT_UNSHARDING;
+        Py_RETURN_TRUE;
+    }
     PyObject *group = nargs == 5 && args[4] != Py_None ? args[4] : self->group;
     if (unit_open_range(self, &self->gather_range, "dptc::all_gather") < 0)
         return NULL;

@@ -57,10 +57,9 @@ EXPECTED = {
     "ddp_no_sync": {},
     "fsdp": _per_run(FSDP_STEP),
     # HSDP on a (2 replicas, 1 shard) mesh: over a shard group of one there is nothing to
-    # reduce-scatter; each unit's gradients are all-reduced across the replicas in place.
-    "hsdp": _per_run({**{k: v for k, v in FSDP_STEP.items()
-                         if not k.startswith("dptc::reduce_scatter")},
-                      "dptc::all_reduce root": 1,
+    # gather (the unsharded parameters are the shard buffers) or reduce-scatter; each unit's
+    # gradients are all-reduced across the replicas in place.
+    "hsdp": _per_run({"dptc::fsdp finalize": 1, "dptc::all_reduce root": 1,
                       **{f"dptc::all_reduce {b}": 1 for b in BLOCKS}}),
 }
 
@@ -120,7 +119,11 @@ def test_fsdp_units_named_by_module(name):
         gathers = [n for n in result["order"] if n.startswith("dptc::all_gather")]
         forward = ["dptc::all_gather root"] + [f"dptc::all_gather {b}" for b in BLOCKS]
         backward = [f"dptc::all_gather {b}" for b in reversed(BLOCKS)]
-        assert gathers == (forward + backward) * PROFILED_RUNS
+        assert gathers == ((forward + backward) * PROFILED_RUNS if name == "fsdp" else [])
+        reductions = [n for n in result["order"] if n.startswith("dptc::all_reduce")]
+        expected = [f"dptc::all_reduce {b}" for b in reversed(BLOCKS)] + \
+            ["dptc::all_reduce root"]
+        assert reductions == (expected * PROFILED_RUNS if name == "hsdp" else [])
         assert len(result["threads"]) == 1
 
 

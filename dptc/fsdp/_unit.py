@@ -552,8 +552,11 @@ class Unit:
                 p.allocate()
             if not gathered:
                 continue
-            outputs = [p.padded for p in gathered]
             code = dtype_code(bucket.compute_dtype)
+            if bucket.kept is None and all(p.aliased for p in gathered):
+                bucket.c.unshard(code, None, [], 0)     # the shard buffer is all of it
+                continue
+            outputs = [p.padded for p in gathered]
             if bucket.kept is not None:
                 group, kept = self.post_forward_group, bucket.kept
                 bucket.c.unshard(code, kept, outputs, kept.numel(), self.engine(group))
