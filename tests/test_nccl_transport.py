@@ -233,6 +233,10 @@ def test_fully_shard_units_run_on_the_nccl_engine(fake):
         dptc.init_process_group()
         _unit.Unit.engine = lambda self, group: group.device_engine(torch.device("cuda", 0))
         _unit.Unit.current_stream = lambda self: (lambda: Stream(77))
+        # As on a CUDA device: the CPU-only paths over a shard group of one, which move nothing
+        # through any transport, stay off.
+        _unit.Unit._aliases = lambda self, bucket, p: False
+        _unit.Unit._reduces_in_place = lambda self, bucket, grads, after: False
         torch.manual_seed(0)
         model = build_gpt(vocab=64, d_model=32, n_layer=2, n_head=4, ctx=16).double()
         ref = copy.deepcopy(model)
