@@ -59,7 +59,7 @@ from _checkout import put_checkout_on_path
 
 put_checkout_on_path()
 
-from dptc.bench import import_dptc, run_under_torchrun  # noqa: E402
+from dptc.bench import import_dptc, run_under_torchrun, staging_line  # noqa: E402
 from examples.gpt import build_gpt  # noqa: E402
 
 MB = 1 << 20
@@ -352,6 +352,8 @@ def main(argv=None):
             step, comm = medians[f"{side} DDP"], medians[f"{side} comm"]
             print(f"  {side:>6}: 1 - ({step * 1e3:.2f} - {compute * 1e3:.2f}) / "
                   f"{comm * 1e3:.2f} ms = {hidden[side]:.2f}")
+        if args.impl == "dptc":
+            print(staging_line(import_dptc().group.default_group()))
         print(f"# max |parameter difference| torch DDP vs {label} DDP after "
               f"{args.warmup + args.steps} steps: {drift.item():.3g}")
         if args.json:

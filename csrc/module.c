@@ -565,18 +565,23 @@ static PyObject *group_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
     static char *keywords[] = {"rank", "size", "local_rank", "local_size", "node", "nnodes",
                                "name", "create", "slot_bytes", "timeout", "streams", "ranks",
-                               "nccl_id", "device", NULL};
+                               "nccl_id", "device", "staging", NULL};
     dptc_group_config cfg = {.nstreams = 1};
+    dptc_shm_config shm = {.staging = DPTC_SHM_STAGING_AUTO};
     Py_ssize_t slot_bytes;
     PyObject *ranks = Py_None;
     Py_buffer nccl_id = {0};
     int device = -1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iiiiiispnd|iO$y*i:Group", keywords,
+    int staging = DPTC_SHM_STAGING_AUTO;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iiiiiispnd|iO$y*ii:Group", keywords,
                                      &cfg.rank, &cfg.size, &cfg.local_rank, &cfg.local_size,
                                      &cfg.node, &cfg.nnodes, &cfg.shm_name, &cfg.create,
                                      &slot_bytes, &cfg.timeout_s, &cfg.nstreams, &ranks,
-                                     &nccl_id, &device))
+                                     &nccl_id, &device, &staging))
         return NULL;
+    /* See [Note: staging] in shm.c. */
+    shm.staging = (dptc_shm_staging)staging;
+    cfg.transport_arg = &shm;
     /* With nccl_id, the group moves CUDA tensors of `device` through NCCL
      * (see [Note: the NCCL transport] in nccl.h); else shared memory. */
     const dptc_transport_ops *transport = &dptc_shm_transport;
@@ -1122,6 +1127,24 @@ static PyObject *group_get_closed(GroupObject *self, void *Py_UNUSED(closure))
     return PyBool_FromLong(self->group == NULL);
 }
 
+/* stagings(stream): how the large all-reduces on `stream` were staged so
+ * far (see [Note: staging] in shm.c). */
+static PyObject *group_stagings(GroupObject *self, PyObject *arg)
+{
+    dptc_module_state *st;
+    dptc_group *g = open_shm_group(self, &st, "stagings");
+    if (!g)
+        return NULL;
+    long stream = PyLong_AsLong(arg);
+    if (stream == -1 && PyErr_Occurred())
+        return NULL;
+    uint64_t counts[2];
+    int index = stream < 0 || stream > INT_MAX ? -1 : (int)stream;  /* -1: out of range */
+    dptc_shm_stagings(dptc_group_transport(g), index, counts);
+    return Py_BuildValue("{sKsK}", "cached", (unsigned long long)counts[0], "streamed",
+                         (unsigned long long)counts[1]);
+}
+
 static PyMethodDef group_methods[] = {
     {"run", (PyCFunction)(void (*)(void))group_run, METH_FASTCALL,
      "run(op, dtype, redop, input, output, count, root, stream)\n\n"
@@ -1137,6 +1160,8 @@ static PyMethodDef group_methods[] = {
      "first collective."},
     {"unlink", (PyCFunction)group_unlink, METH_NOARGS,
      "unlink()\n\nForgets the shared segment's name (once every local rank mapped it)."},
+    {"stagings", (PyCFunction)group_stagings, METH_O,
+     "stagings(stream) -> dict\n\nLarge all-reduces on stream staged each way so far."},
     {"segment_path", (PyCFunction)group_segment_path, METH_NOARGS,
      "segment_path() -> str or None\n\nWhat local peers open to map the segment."},
     {"close", (PyCFunction)group_close, METH_NOARGS, "close()\n\nStops the engine and unmaps."},

@@ -52,6 +52,10 @@
 #include "reduce.h"
 #include "shm.h"
 
+#if defined(__x86_64__) && defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 #define SHM_MAGIC 0x64707463u /* "dptc" */
 #define SHM_VERSION 1u
 #define CACHE_LINE 64
@@ -76,6 +80,8 @@ typedef struct {
     _Atomic uint32_t sleepers;                      /* waiters sleeping on counter */
     _Atomic int32_t pid;                            /* for liveness checks */
     _Atomic int32_t share_fd;                       /* memfd of the shared buffer being made */
+    _Atomic uint32_t staging;                       /* local rank 0's choice for the next large
+                                                       all-reduce, see [Note: staging] */
     fingerprint fp[2];                              /* indexed by seq % 2 */
 } peer_record;
 
@@ -114,6 +120,13 @@ typedef struct {
     const dptc_shared *in_shared; /* the running collective's shared buffer, or NULL */
     size_t shared_offset;         /* its tensor's byte offset there */
     uint64_t shared_made;         /* shared buffers made on this channel (their ids) */
+    /* How local rank 0 chooses the large all-reduce's staging (see [Note:
+     * staging]); unused on the other ranks. */
+    double staging_cost[2];       /* recent seconds per byte of each staging; 0: unmeasured */
+    uint32_t staging_current;     /* the staging that measured cheaper */
+    uint32_t since_trial;         /* measured all-reduces since the other one was tried */
+    uint32_t trial_every;         /* measured all-reduces between two tries */
+    _Atomic uint64_t staged[2];   /* large all-reduces staged each way (dptc_shm_stagings) */
 } channel;
 
 struct shm_transport {
@@ -139,6 +152,7 @@ struct shm_transport {
     double spin_s;                /* how long to spin before sleeping */
     size_t all_reduce_round;      /* staged bytes per rank in a large all-reduce's
                                      round, see [Note: all-reduce rounds] */
+    dptc_shm_staging staging;     /* DPTC_SHM_STAGING_AUTO, or the one to use always */
 };
 
 /* ------------------------------------------------------------------ */
@@ -149,6 +163,41 @@ static void copy(void *dst, const void *src, size_t nbytes)
 {
     if (nbytes)
         memcpy(dst, src, nbytes);
+}
+
+/* Copies with non-temporal stores where the processor has them (x86-64:
+ * SSE2), so that the bytes go to memory without taking their lines into this
+ * core's cache, nor needing a peer's copy of a line invalidated before each
+ * store (see [Note: staging]); a plain copy elsewhere.  The closing fence
+ * orders the stores before the step posted next. */
+static void copy_streaming(void *dst, const void *src, size_t nbytes)
+{
+#if defined(__x86_64__) && defined(__SSE2__)
+    unsigned char *d = dst;
+    const unsigned char *from = src;
+    size_t head = (16 - ((uintptr_t)d & 15)) & 15;
+    if (head > nbytes)
+        head = nbytes;
+    copy(d, from, head);
+    d += head;
+    from += head;
+    nbytes -= head;
+    size_t body = nbytes & ~(size_t)63;
+    for (size_t i = 0; i < body; i += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(from + i));
+        __m128i b = _mm_loadu_si128((const __m128i *)(from + i + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(from + i + 32));
+        __m128i e = _mm_loadu_si128((const __m128i *)(from + i + 48));
+        _mm_stream_si128((__m128i *)(d + i), a);
+        _mm_stream_si128((__m128i *)(d + i + 16), b);
+        _mm_stream_si128((__m128i *)(d + i + 32), c);
+        _mm_stream_si128((__m128i *)(d + i + 48), e);
+    }
+    copy(d + body, from + body, nbytes - body);
+    _mm_sfence();
+#else
+    copy(dst, src, nbytes);
+#endif
 }
 
 static size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
@@ -553,9 +602,192 @@ static span part_of(size_t count, int n, int p, size_t max_part)
  * the slot.  Every rank of a node computes the same size (from the node's
  * core count), so they agree on the rounds. */
 
-/* Large all-reduce: per round, each rank stages a chunk, reduces its part
- * of every rank's chunk (then hands that part to the bridge across nodes),
- * and copies every reduced part out. */
+/* [Note: staging]
+ * A round of the large all-reduce hands over bytes a rank has just written
+ * to a peer that reads them at once, and what that costs depends on where
+ * the host runs the ranks' cores, which can change from one minute to the
+ * next.  Measured on the development machine (2 vCPUs of an AMD EPYC under
+ * KVM, 27.5 MiB at 2 ranks, alternating in one process): in one placement
+ * the cached staging below took 4.2 to 4.7 ms and the streamed one 5.6 to
+ * 6.2; in another, an ordinary store to a line the peer had read stalled
+ * until the peer's copy was invalidated, and the cached staging took 16 to
+ * 19 ms where the streamed one took 3.9 to 4.8 (a plain copy of the bytes
+ * 2.5 to 3.8 ms in both).
+ * - cached: every rank stages its whole chunk with ordinary stores, reduces
+ *   its part from every rank's slot into its own slot, and copies every
+ *   reduced part out.  Everything a round touches stays in the caches.
+ * - streamed: every rank stages only the parts its peers reduce, with
+ *   non-temporal stores (copy_streaming); reduces its own part from its
+ *   input straight into its output, streams that result into its slot for
+ *   the peers, and copies the peers' results out.  No line a peer may hold
+ *   is written with an ordinary store, and each rank moves fewer bytes, but
+ *   the hand-over goes through memory instead of a shared cache.
+ * Neither wins in both placements, so local rank 0 times every large
+ * all-reduce of at least STAGING_MEASURED_BYTES (from its first step to its
+ * last, which leaves the ranks' arrival out) and chooses the staging whose
+ * recent cost per byte is lower (choose_staging).  It tries the other one
+ * after a number of all-reduces that doubles while the other keeps losing,
+ * and at once when the current one measures worse than the other did when
+ * last tried (the placement changed).  Rank 0 publishes the choice in its
+ * peer record before the collective's last step; every rank reads it before
+ * it stages its next large all-reduce.  That next all-reduce cannot reach
+ * its own last step before every rank has posted its first, so rank 0 never
+ * publishes again before all have read: every rank stages the same way.
+ * Even if they did not, the sums would be right: under both stagings a
+ * rank's slot holds the parts its peers reduce before the middle step and
+ * its own reduced part after it, at the same places.  Both reduce the same
+ * values in rank order, so the numbers do not depend on the choice.  Across
+ * nodes, and in a group of one rank a node, the staging is always cached.
+ * DPTC_SHM_STAGING=cached or streamed fixes the choice (read on local rank
+ * 0, the one that publishes it). */
+#define STAGING_MEASURED_BYTES (4u << 20)
+#define STAGING_TRIAL_FIRST 2      /* measured all-reduces before the first try */
+#define STAGING_TRIAL_SWITCHED 16  /* ... before the first try after a switch */
+#define STAGING_TRIAL_MAX 256      /* the most between two tries */
+#define STAGING_SWITCH 0.95        /* a try wins at 5 % cheaper than the current one */
+
+/* The address of element `at` of the operand, its input or (with `output`)
+ * its output; on pieces both are the pieces (see [Note: several pieces]).
+ * *run says how many elements follow contiguously there. */
+static unsigned char *operand_at(const dptc_coll *c, int output, size_t at, size_t elsize,
+                                 size_t *run)
+{
+    if (c->noutputs == 0) {
+        *run = c->count - at;
+        return (unsigned char *)(output ? c->output : c->input) + at * elsize;
+    }
+    size_t start = 0;
+    for (int j = 0; j < c->noutputs; j++) {
+        size_t len = c->output_counts[j];
+        if (at < start + len) {
+            *run = start + len - at;
+            return (unsigned char *)c->outputs[j] + (at - start) * elsize;
+        }
+        start += len;
+    }
+    *run = 0;
+    return NULL;
+}
+
+typedef void (*copy_fn)(void *dst, const void *src, size_t nbytes);
+
+/* Copies elements [at, at + n) of the operand's input into buf with `how`. */
+static void stage_input(const dptc_coll *c, size_t at, size_t n, unsigned char *buf,
+                        size_t elsize, copy_fn how)
+{
+    while (n > 0) {
+        size_t run;
+        const unsigned char *from = operand_at(c, 0, at, elsize, &run);
+        size_t take = run < n ? run : n;
+        how(buf, from, take * elsize);
+        buf += take * elsize;
+        at += take;
+        n -= take;
+    }
+}
+
+/* The staging the next large all-reduce on ch uses. */
+static dptc_shm_staging staging_of(channel *ch)
+{
+    if (ch->bridge || ch->s->local_size == 1)
+        return DPTC_SHM_STAGING_CACHED;
+    uint32_t chosen = atomic_load_explicit(&ch->peers[0].staging, memory_order_relaxed);
+    return chosen == DPTC_SHM_STAGING_STREAMED ? DPTC_SHM_STAGING_STREAMED
+                                               : DPTC_SHM_STAGING_CACHED;
+}
+
+/* Local rank 0: takes in what an all-reduce of `bytes` staged with `used`
+ * cost, and returns the staging for the next one (see [Note: staging]). */
+static dptc_shm_staging choose_staging(channel *ch, dptc_shm_staging used, double seconds,
+                                       size_t bytes)
+{
+    if (ch->s->staging != DPTC_SHM_STAGING_AUTO)
+        return ch->s->staging;
+    if (ch->trial_every == 0)
+        ch->trial_every = STAGING_TRIAL_FIRST;
+    if (bytes >= STAGING_MEASURED_BYTES && seconds > 0) {
+        double cost = seconds / (double)bytes;
+        dptc_shm_staging current = (dptc_shm_staging)ch->staging_current;
+        if (used == current) {
+            double *mean = &ch->staging_cost[used];
+            *mean = *mean > 0 ? 0.75 * *mean + 0.25 * cost : cost;
+            ch->since_trial++;
+            /* Worse than the other one was when last tried: the placement may
+             * have changed, try the other one now. */
+            double other = ch->staging_cost[1 - used];
+            if (other > 0 && cost > other)
+                ch->since_trial = ch->trial_every;
+        } else {
+            /* A try: its fresh cost replaces what is known of it, however old. */
+            ch->staging_cost[used] = cost;
+            ch->since_trial = 0;
+            if (cost < STAGING_SWITCH * ch->staging_cost[current]) {
+                ch->staging_current = used;
+                ch->trial_every = STAGING_TRIAL_SWITCHED;
+            } else if (ch->trial_every < STAGING_TRIAL_MAX) {
+                ch->trial_every *= 2;
+            }
+        }
+    }
+    dptc_shm_staging current = (dptc_shm_staging)ch->staging_current;
+    if (ch->since_trial >= ch->trial_every)
+        return current == DPTC_SHM_STAGING_CACHED ? DPTC_SHM_STAGING_STREAMED
+                                                  : DPTC_SHM_STAGING_CACHED;
+    return current;
+}
+
+/* Stages the round's chunk [done, done + chunk) in my slot `staged`: all of
+ * it (cached), or the parts the peers reduce (streamed). */
+static void stage_chunk(channel *ch, const dptc_coll *c, dptc_shm_staging staging, size_t done,
+                        size_t chunk, size_t part_max, unsigned char *staged)
+{
+    shm_transport *s = ch->s;
+    size_t elsize = dptc_dtype_size(c->dtype);
+    if (staging == DPTC_SHM_STAGING_CACHED) {
+        stage_input(c, done, chunk, staged, elsize, copy);
+        return;
+    }
+    for (int p = 0; p < s->local_size; p++) {
+        span part = part_of(chunk, s->local_size, p, part_max);
+        if (p != s->local_rank && part.hi > part.lo)
+            stage_input(c, done + part.lo, part.hi - part.lo, staged + part.lo * elsize, elsize,
+                        copy_streaming);
+    }
+}
+
+/* Streamed: reduces my part [lo, hi) of the chunk at `done` from my input
+ * and the peers' slots into my output, and streams the result into my slot
+ * (`mine`) for the peers. */
+static dptc_status reduce_mine_streamed(channel *ch, const dptc_coll *c, size_t done, size_t lo,
+                                        size_t hi, unsigned char *mine, double scale,
+                                        dptc_error *err)
+{
+    shm_transport *s = ch->s;
+    size_t elsize = dptc_dtype_size(c->dtype);
+    for (size_t at = lo; at < hi;) {
+        size_t run_in, run_out;
+        const unsigned char *from = operand_at(c, 0, done + at, elsize, &run_in);
+        unsigned char *to = operand_at(c, 1, done + at, elsize, &run_out);
+        size_t take = hi - at;
+        if (run_in < take)
+            take = run_in;
+        if (run_out < take)
+            take = run_out;
+        const void *srcs[DPTC_MAX_LOCAL];
+        for (int p = 0; p < s->local_size; p++)
+            srcs[p] = p == s->local_rank ? (const void *)from
+                                         : (const void *)(slot_buffer(ch, p, ch->rounds) +
+                                                          at * elsize);
+        CHECK(dptc_reduce(to, srcs, s->local_size, take, c->dtype, base_redop(c), scale, err));
+        copy_streaming(mine + (at - lo) * elsize, to, take * elsize);
+        at += take;
+    }
+    return DPTC_OK;
+}
+
+/* Large all-reduce: per round, each rank stages its chunk (see [Note:
+ * staging]), reduces its part of every rank's chunk (then hands that part to
+ * the bridge across nodes), and copies every reduced part out. */
 static dptc_status all_reduce_large(channel *ch, const dptc_coll *c, uint64_t seq,
                                     double deadline, dptc_error *err)
 {
@@ -565,23 +797,27 @@ static dptc_status all_reduce_large(channel *ch, const dptc_coll *c, uint64_t se
     size_t part_max = elements_per(s->all_reduce_round / (size_t)n, elsize);
     size_t chunk_max = part_max * (size_t)n;
     CHECK(check_window(s, part_max, err));
-    int first = 1;
-    const unsigned char *in = c->input;
+    dptc_shm_staging staging = staging_of(ch);
+    int streamed = staging == DPTC_SHM_STAGING_STREAMED;
+    atomic_fetch_add_explicit(&ch->staged[staging], 1, memory_order_relaxed);
     unsigned char *out = c->output;
+    int first = 1;
+    double started = 0;
     double scale = is_avg(c) ? 1.0 / (n * s->nnodes) : 1.0;
     for (size_t done = 0; done < c->count || first;) {
         size_t chunk = c->count - done < chunk_max ? c->count - done : chunk_max;
-        unsigned char *staged = slot_buffer(ch, s->local_rank, ch->rounds);
-        if (c->noutputs > 0)
-            pieces_copy(c, 0, done, chunk, staged, elsize, 0);
-        else
-            copy(staged, in + done * elsize, chunk * elsize);
+        stage_chunk(ch, c, staging, done, chunk, part_max,
+                    slot_buffer(ch, s->local_rank, ch->rounds));
         CHECK(begin_round(ch, c, seq, deadline, err));
+        if (first)
+            started = dptc_now();
         first = 0;
         span my = part_of(chunk, n, s->local_rank, part_max);
         size_t lo = my.lo, hi = my.hi;
         unsigned char *mine = slot_buffer(ch, s->local_rank, ch->rounds) + lo * elsize;
-        if (hi > lo) {
+        if (hi > lo && streamed) {
+            CHECK(reduce_mine_streamed(ch, c, done, lo, hi, mine, scale, err));
+        } else if (hi > lo) {
             const void *srcs[DPTC_MAX_LOCAL];
             for (int p = 0; p < n; p++)
                 srcs[p] = slot_buffer(ch, p, ch->rounds) + lo * elsize;
@@ -593,8 +829,16 @@ static dptc_status all_reduce_large(channel *ch, const dptc_coll *c, uint64_t se
                     CHECK(dptc_scale(mine, hi - lo, c->dtype, scale, err));
             }
         }
+        if (done + chunk >= c->count && s->local_rank == 0 && !ch->bridge && n > 1) {
+            /* Before the last step: see [Note: staging]. */
+            dptc_shm_staging next = choose_staging(ch, staging, dptc_now() - started,
+                                                   c->count * elsize);
+            atomic_store_explicit(&ch->peers[0].staging, (uint32_t)next, memory_order_relaxed);
+        }
         CHECK(step(ch, deadline, err));
         for (int p = 0; p < n; p++) {
+            if (p == s->local_rank && streamed)
+                continue;  /* reduced straight into the output */
             span their = part_of(chunk, n, p, part_max);
             unsigned char *part = slot_buffer(ch, p, ch->rounds) + their.lo * elsize;
             if (c->noutputs > 0)
@@ -1346,6 +1590,16 @@ dptc_status dptc_shm_failure(dptc_transport *t, dptc_error *err)
 
 int dptc_shm_segment_fd(dptc_transport *t) { return ((shm_transport *)t)->fd; }
 
+void dptc_shm_stagings(dptc_transport *t, int stream, uint64_t counts[2])
+{
+    shm_transport *s = (shm_transport *)t;
+    counts[0] = counts[1] = 0;
+    if (stream < 0 || stream >= s->nstreams)
+        return;
+    for (int k = 0; k < 2; k++)
+        counts[k] = atomic_load_explicit(&s->channels[stream].staged[k], memory_order_relaxed);
+}
+
 void *dptc_shm_slot(dptc_transport *t, int stream, int local, size_t *bytes)
 {
     shm_transport *s = (shm_transport *)t;
@@ -1387,6 +1641,14 @@ static dptc_status shm_open_transport(const dptc_group_config *cfg, dptc_transpo
     long cpus = sysconf(_SC_NPROCESSORS_ONLN);
     /* Spinning only helps when every rank can own a core. */
     s->spin_s = cpus >= cfg->local_size ? 50e-6 : 2e-6;
+    const dptc_shm_config *shm_cfg = cfg->transport_arg;
+    s->staging = shm_cfg ? shm_cfg->staging : DPTC_SHM_STAGING_AUTO;
+    if (s->staging != DPTC_SHM_STAGING_CACHED && s->staging != DPTC_SHM_STAGING_STREAMED &&
+        s->staging != DPTC_SHM_STAGING_AUTO) {
+        status = dptc_fail(err, DPTC_ERR_INVALID, "staging %d is not a dptc_shm_staging",
+                           (int)s->staging);
+        goto fail;
+    }
     s->all_reduce_round = cfg->nnodes == 1 && cpus >= cfg->local_size &&
                                   s->slot_bytes > ALL_REDUCE_ROUND_BYTES
                               ? ALL_REDUCE_ROUND_BYTES
@@ -1427,6 +1689,10 @@ static dptc_status shm_open_transport(const dptc_group_config *cfg, dptc_transpo
         ch->slots = s->map + slots_at + (size_t)(k * s->local_size) * s->region;
         atomic_store(&ch->peers[s->local_rank].pid, (int32_t)getpid());
         atomic_store(&ch->peers[s->local_rank].share_fd, -1);
+        if (s->local_rank == 0)  /* the first large all-reduce's staging: [Note: staging] */
+            atomic_store(&ch->peers[0].staging, s->staging == DPTC_SHM_STAGING_AUTO
+                                                    ? DPTC_SHM_STAGING_CACHED
+                                                    : s->staging);
     }
     *out = &s->base;
     return DPTC_OK;

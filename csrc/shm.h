@@ -9,6 +9,20 @@
 
 extern const dptc_transport_ops dptc_shm_transport;
 
+/* How a large all-reduce on one node stages its data; see [Note: staging]
+ * in shm.c. */
+typedef enum {
+    DPTC_SHM_STAGING_CACHED = 0,    /* ordinary stores, every rank's whole chunk */
+    DPTC_SHM_STAGING_STREAMED = 1,  /* non-temporal stores, only what peers read */
+    DPTC_SHM_STAGING_AUTO = 2,      /* local rank 0 times both and chooses */
+} dptc_shm_staging;
+
+/* What the shared-memory transport's open takes beyond the group config
+ * (dptc_group_config.transport_arg; NULL: the defaults). */
+typedef struct {
+    dptc_shm_staging staging;
+} dptc_shm_config;
+
 /* Attaches the cross-node step of one stream (the transport owns it).  Call
  * before the stream's first collective, with nnodes > 1. */
 void dptc_shm_set_bridge(dptc_transport *t, int stream, dptc_bridge *bridge);
@@ -22,6 +36,9 @@ int dptc_shm_segment_fd(dptc_transport *t);
 /* The abort a local peer recorded (see [Note: abort record] in shm.c), as
  * this rank would raise it; DPTC_OK while nobody aborted. */
 dptc_status dptc_shm_failure(dptc_transport *t, dptc_error *err);
+/* How many large all-reduces on `stream` were staged each way so far,
+ * indexed by dptc_shm_staging (cached, streamed); zeros out of range. */
+void dptc_shm_stagings(dptc_transport *t, int stream, uint64_t counts[2]);
 /* Base address and size of the staging slots of local rank `local` on
  * `stream` (the bridge wraps these in tensors); NULL when out of range. */
 void *dptc_shm_slot(dptc_transport *t, int stream, int local, size_t *bytes);

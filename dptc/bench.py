@@ -43,7 +43,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["main", "parse_size", "bus_factor", "run_under_torchrun", "Backend"]
+__all__ = ["main", "parse_size", "bus_factor", "run_under_torchrun", "Backend", "staging_line"]
 
 MIB = 1 << 20
 
@@ -428,6 +428,14 @@ def summary(rows, test_label, shared_label=None):
 # ---------------------------------------------------------------------------------------------
 # Entry point
 
+def staging_line(group):
+    """How the group's large staged all-reduces were staged on stream 0 (local rank 0 times
+    both ways and chooses, see [Note: staging] in csrc/shm.c)."""
+    counts = group.all_reduce_stagings(0)
+    return (f"# dptc's large staged all-reduces: {counts['cached']} cached, "
+            f"{counts['streamed']} streamed")
+
+
 def parse_args(argv):
     parser = argparse.ArgumentParser(
         prog="python -m dptc.bench",
@@ -543,6 +551,8 @@ def main(argv=None, target=("-m", "dptc.bench")):
 
     for line in summary(rows, test.label, shared.label if shared else None):
         say(line)
+    if args.impl == "dptc":
+        say(staging_line(import_dptc().group.default_group()))
     if rank == 0 and args.json:
         meta = {"nranks": nranks, "impl": args.impl, "test_label": test.label,
                 "torch": torch.__version__, "redop": args.redop, "seconds": args.seconds}

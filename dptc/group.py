@@ -44,6 +44,9 @@ _OP_NAMES = {0: "all_reduce", 1: "broadcast", 2: "all_gather_into_tensor",
 DEFAULT_SLOT_BYTES = 1 << 20
 # How often a cross-node wait looks for an abort of the group elsewhere.
 ABORT_POLL_S = 0.1
+# How a large one-node all-reduce stages its data (csrc/shm.h dptc_shm_staging; [Note: staging]
+# in csrc/shm.c): chosen by timing both, or fixed with DPTC_SHM_STAGING.
+STAGINGS = {"auto": 2, "cached": 0, "streamed": 1}
 
 _default = None
 _generation = 0
@@ -86,6 +89,13 @@ class ProcessGroup:
         return (f"dptc.ProcessGroup(ranks={self.ranks}, rank={self.rank}, size={self.size}, "
                 f"node={self.node}/{self.nnodes}, local_rank={self.local_rank}/"
                 f"{self.local_size})")
+
+    def all_reduce_stagings(self, stream=0):
+        """How this rank staged the group's large all-reduces on `stream` so far, as
+        {"cached": n, "streamed": m}: see [Note: staging] in csrc/shm.c."""
+        if not isinstance(stream, int) or not 0 <= stream < self.num_streams:
+            raise ValueError(f"stream must be an int in [0, {self.num_streams}), got {stream!r}")
+        return self._c.stagings(stream)
 
     def group_rank(self, global_rank, argname="src"):
         """This group's rank of a global rank; ValueError when it is not a member."""
@@ -179,6 +189,13 @@ def _env_int(name, default, low, high):
     if value is None or not low <= value <= high:
         raise ValueError(f"{name} must be an integer in [{low}, {high}], got {text!r}")
     return value
+
+
+def _env_choice(name, choices, default):
+    text = os.environ.get(name, default)
+    if text not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {text!r}")
+    return choices[text]
 
 
 def _init_torch(timeout, explicit):
@@ -449,6 +466,7 @@ def _open_engine(store, ranks, me, timeout, num_streams):
     group.  See [Note: segments] in csrc/shm.c: the segment is unlinked as soon as every local
     member has mapped it, and on every failure path.
     """
+    staging = _env_choice("DPTC_SHM_STAGING", STAGINGS, "auto")
     rank, node, nnodes, local_rank, local_size = _group_layout(ranks, me)
     if rank == 0:
         store.set("token", secrets.token_hex(12))
@@ -462,7 +480,8 @@ def _open_engine(store, ranks, me, timeout, num_streams):
             store.wait([f"created/{node}"], delta)
             name = store.get(f"created/{node}").decode()
         engine = _C.Group(rank, len(ranks), local_rank, local_size, node, nnodes, name,
-                          local_rank == 0, slot_bytes, timeout, num_streams, list(ranks))
+                          local_rank == 0, slot_bytes, timeout, num_streams, list(ranks),
+                          staging=staging)
         if local_rank == 0:
             store.set(f"created/{node}", engine.segment_path() or name)
         store.set(f"mapped/{node}/{local_rank}", "1")
