@@ -1127,10 +1127,17 @@ static PyObject *group_get_closed(GroupObject *self, void *Py_UNUSED(closure))
     return PyBool_FromLong(self->group == NULL);
 }
 
-/* stagings(stream): how the large all-reduces on `stream` were staged so
- * far (see [Note: staging] in shm.c). */
+/* stagings(stream): how the collectives on `stream` that went through the
+ * staging slots were staged so far (see [Note: staging] in shm.c). */
 static PyObject *group_stagings(GroupObject *self, PyObject *arg)
 {
+    static const struct {
+        const char *name;
+        dptc_op op;
+    } staged[] = {{"all_reduce", DPTC_OP_ALL_REDUCE},
+                  {"all_gather", DPTC_OP_ALL_GATHER},
+                  {"reduce_scatter", DPTC_OP_REDUCE_SCATTER},
+                  {"broadcast", DPTC_OP_BROADCAST}};
     dptc_module_state *st;
     dptc_group *g = open_shm_group(self, &st, "stagings");
     if (!g)
@@ -1138,11 +1145,23 @@ static PyObject *group_stagings(GroupObject *self, PyObject *arg)
     long stream = PyLong_AsLong(arg);
     if (stream == -1 && PyErr_Occurred())
         return NULL;
-    uint64_t counts[2];
     int index = stream < 0 || stream > INT_MAX ? -1 : (int)stream;  /* -1: out of range */
-    dptc_shm_stagings(dptc_group_transport(g), index, counts);
-    return Py_BuildValue("{sKsK}", "cached", (unsigned long long)counts[0], "streamed",
-                         (unsigned long long)counts[1]);
+    PyObject *out = PyDict_New();
+    if (!out)
+        return NULL;
+    for (size_t i = 0; i < sizeof staged / sizeof staged[0]; i++) {
+        uint64_t counts[2];
+        dptc_shm_stagings(dptc_group_transport(g), index, staged[i].op, counts);
+        PyObject *pair = Py_BuildValue("{sKsK}", "cached", (unsigned long long)counts[0],
+                                       "streamed", (unsigned long long)counts[1]);
+        if (!pair || PyDict_SetItemString(out, staged[i].name, pair) < 0) {
+            Py_XDECREF(pair);
+            Py_DECREF(out);
+            return NULL;
+        }
+        Py_DECREF(pair);
+    }
+    return out;
 }
 
 static PyMethodDef group_methods[] = {
@@ -1161,7 +1180,7 @@ static PyMethodDef group_methods[] = {
     {"unlink", (PyCFunction)group_unlink, METH_NOARGS,
      "unlink()\n\nForgets the shared segment's name (once every local rank mapped it)."},
     {"stagings", (PyCFunction)group_stagings, METH_O,
-     "stagings(stream) -> dict\n\nLarge all-reduces on stream staged each way so far."},
+     "stagings(stream) -> dict\n\nStaged collectives on stream, per op, staged each way so far."},
     {"segment_path", (PyCFunction)group_segment_path, METH_NOARGS,
      "segment_path() -> str or None\n\nWhat local peers open to map the segment."},
     {"close", (PyCFunction)group_close, METH_NOARGS, "close()\n\nStops the engine and unmaps."},

@@ -74,14 +74,24 @@ typedef struct {
     uint64_t offset;   /* the tensor's byte offset in that buffer */
 } fingerprint;
 
+/* The collectives whose data goes through the staging slots, each staged
+ * its own way (see [Note: staging]). */
+typedef enum {
+    STAGED_ALL_REDUCE,
+    STAGED_ALL_GATHER,
+    STAGED_REDUCE_SCATTER,
+    STAGED_BROADCAST,
+    STAGED_OPS
+} staged_op;
+
 /* One rank's record in one stream's channel. */
 typedef struct {
     _Alignas(CACHE_LINE) _Atomic uint32_t counter;  /* steps posted (futex word) */
     _Atomic uint32_t sleepers;                      /* waiters sleeping on counter */
     _Atomic int32_t pid;                            /* for liveness checks */
     _Atomic int32_t share_fd;                       /* memfd of the shared buffer being made */
-    _Atomic uint32_t staging;                       /* local rank 0's choice for the next large
-                                                       all-reduce, see [Note: staging] */
+    _Atomic uint32_t staging[STAGED_OPS];           /* local rank 0's choice for the next large
+                                                       collective, see [Note: staging] */
     fingerprint fp[2];                              /* indexed by seq % 2 */
 } peer_record;
 
@@ -100,6 +110,15 @@ typedef struct {
 } shm_header;
 
 typedef struct shm_transport shm_transport;
+
+/* How local rank 0 chooses the staging of one kind of collective (see
+ * [Note: staging]). */
+typedef struct {
+    double cost[2];               /* recent seconds per byte of each staging; 0: unmeasured */
+    uint32_t current;             /* the staging that measured cheaper */
+    uint32_t since_trial;         /* measured collectives since the other one was tried */
+    uint32_t trial_every;         /* measured collectives between two tries */
+} staging_chooser;
 
 /* [Note: channels]
  * Each stream of the group (see [Note: streams] in engine.h) has its own
@@ -120,13 +139,9 @@ typedef struct {
     const dptc_shared *in_shared; /* the running collective's shared buffer, or NULL */
     size_t shared_offset;         /* its tensor's byte offset there */
     uint64_t shared_made;         /* shared buffers made on this channel (their ids) */
-    /* How local rank 0 chooses the large all-reduce's staging (see [Note:
-     * staging]); unused on the other ranks. */
-    double staging_cost[2];       /* recent seconds per byte of each staging; 0: unmeasured */
-    uint32_t staging_current;     /* the staging that measured cheaper */
-    uint32_t since_trial;         /* measured all-reduces since the other one was tried */
-    uint32_t trial_every;         /* measured all-reduces between two tries */
-    _Atomic uint64_t staged[2];   /* large all-reduces staged each way (dptc_shm_stagings) */
+    staging_chooser choosers[STAGED_OPS];     /* local rank 0's, see [Note: staging] */
+    _Atomic uint64_t staged[STAGED_OPS][2];   /* large collectives staged each way
+                                                 (dptc_shm_stagings) */
 } channel;
 
 struct shm_transport {
@@ -199,6 +214,8 @@ static void copy_streaming(void *dst, const void *src, size_t nbytes)
     copy(dst, src, nbytes);
 #endif
 }
+
+typedef void (*copy_fn)(void *dst, const void *src, size_t nbytes);
 
 static size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
@@ -603,48 +620,126 @@ static span part_of(size_t count, int n, int p, size_t max_part)
  * core count), so they agree on the rounds. */
 
 /* [Note: staging]
- * A round of the large all-reduce hands over bytes a rank has just written
- * to a peer that reads them at once, and what that costs depends on where
- * the host runs the ranks' cores, which can change from one minute to the
- * next.  Measured on the development machine (2 vCPUs of an AMD EPYC under
- * KVM, 27.5 MiB at 2 ranks, alternating in one process): in one placement
- * the cached staging below took 4.2 to 4.7 ms and the streamed one 5.6 to
- * 6.2; in another, an ordinary store to a line the peer had read stalled
- * until the peer's copy was invalidated, and the cached staging took 16 to
- * 19 ms where the streamed one took 3.9 to 4.8 (a plain copy of the bytes
- * 2.5 to 3.8 ms in both).
- * - cached: every rank stages its whole chunk with ordinary stores, reduces
- *   its part from every rank's slot into its own slot, and copies every
- *   reduced part out.  Everything a round touches stays in the caches.
- * - streamed: every rank stages only the parts its peers reduce, with
- *   non-temporal stores (copy_streaming); reduces its own part from its
- *   input straight into its output, streams that result into its slot for
- *   the peers, and copies the peers' results out.  No line a peer may hold
- *   is written with an ordinary store, and each rank moves fewer bytes, but
- *   the hand-over goes through memory instead of a shared cache.
- * Neither wins in both placements, so local rank 0 times every large
- * all-reduce of at least STAGING_MEASURED_BYTES (from its first step to its
- * last, which leaves the ranks' arrival out) and chooses the staging whose
- * recent cost per byte is lower (choose_staging).  It tries the other one
- * after a number of all-reduces that doubles while the other keeps losing,
- * and at once when the current one measures worse than the other did when
- * last tried (the placement changed).  Rank 0 publishes the choice in its
- * peer record before the collective's last step; every rank reads it before
- * it stages its next large all-reduce.  That next all-reduce cannot reach
- * its own last step before every rank has posted its first, so rank 0 never
- * publishes again before all have read: every rank stages the same way.
- * Even if they did not, the sums would be right: under both stagings a
- * rank's slot holds the parts its peers reduce before the middle step and
- * its own reduced part after it, at the same places.  Both reduce the same
- * values in rank order, so the numbers do not depend on the choice.  Across
- * nodes, and in a group of one rank a node, the staging is always cached.
- * DPTC_SHM_STAGING=cached or streamed fixes the choice (read on local rank
- * 0, the one that publishes it). */
+ * A staged collective hands over bytes a rank has just written to a peer
+ * that reads them at once, and what that costs depends on where the host
+ * runs the ranks' cores, which can change from one minute to the next.
+ * Measured on the development machine (2 vCPUs of an AMD EPYC under KVM,
+ * 27.5 MiB at 2 ranks, alternating in one process): in most placements the
+ * all-reduce below took 3.7 to 4.7 ms staged with ordinary stores and 4.9 to
+ * 6.2 ms with non-temporal ones; in another, an ordinary store to a line the
+ * peer had read stalled until the peer's copy was invalidated, and the
+ * all-reduce took 14.6 to 19 ms staged with ordinary stores against 3.3 to
+ * 4.8 with non-temporal ones.  The staged all-gather, reduce-scatter and
+ * broadcast slowed down there alike (2.3 to 5 times; non-temporal stores
+ * kept them within 1.1 times of the other placements), and non-temporal
+ * stores cost them 25 to 60 % elsewhere.  So each staged collective has two
+ * stagings:
+ * - cached: ordinary stores into the slots.  The all-reduce stages every
+ *   rank's whole chunk, reduces its part from every rank's slot into its own
+ *   slot, and copies every reduced part out; everything a round touches
+ *   stays in the caches.
+ * - streamed: non-temporal stores into the slots (copy_streaming).  The
+ *   all-reduce stages only the parts its peers reduce, reduces its own part
+ *   from its input straight into its output and streams that result into
+ *   its slot for the peers.  No line a peer may hold is written with an
+ *   ordinary store, and the hand-over goes through memory instead of a
+ *   shared cache.
+ * Neither wins in every placement, so for each kind of collective local
+ * rank 0 times every large one (at least STAGING_MEASURED_BYTES, from its
+ * first step to its last, which leaves the ranks' arrival out) and chooses
+ * the staging whose recent cost per byte is lower (choose_staging).  It
+ * tries the other one after a number of collectives that doubles while the
+ * other keeps losing, and at once when the current one measures worse than
+ * the other did when last tried (the placement changed).  Rank 0 publishes
+ * its choice in its peer record before the collective's last step; every
+ * rank reads it before it stages its next collective of that kind, which
+ * cannot reach its own last step before every rank has posted its first:
+ * rank 0 never publishes again before all have read, and every rank stages
+ * the same way.  Even if they did not, the results would be right: how a
+ * rank fills its slot is its own affair, and under both stagings the
+ * all-reduce leaves the parts its peers reduce in a rank's slot before the
+ * middle step and its own reduced part after it, at the same places.  Both
+ * reduce the same values in rank order, so the numbers do not depend on the
+ * choice.  Across nodes, and in a group of one rank a node, collectives
+ * stage cached.  DPTC_SHM_STAGING=cached or streamed fixes the choice (read
+ * on local rank 0, the one that publishes it). */
 #define STAGING_MEASURED_BYTES (4u << 20)
-#define STAGING_TRIAL_FIRST 2      /* measured all-reduces before the first try */
+#define STAGING_TRIAL_FIRST 2      /* measured collectives before the first try */
 #define STAGING_TRIAL_SWITCHED 16  /* ... before the first try after a switch */
 #define STAGING_TRIAL_MAX 256      /* the most between two tries */
 #define STAGING_SWITCH 0.95        /* a try wins at 5 % cheaper than the current one */
+
+/* The staging the next large collective of kind `op` on ch uses; counts it. */
+static dptc_shm_staging staging_of(channel *ch, staged_op op)
+{
+    dptc_shm_staging staging = DPTC_SHM_STAGING_CACHED;
+    if (!ch->bridge && ch->s->local_size > 1 &&
+        atomic_load_explicit(&ch->peers[0].staging[op], memory_order_relaxed) ==
+            DPTC_SHM_STAGING_STREAMED)
+        staging = DPTC_SHM_STAGING_STREAMED;
+    atomic_fetch_add_explicit(&ch->staged[op][staging], 1, memory_order_relaxed);
+    return staging;
+}
+
+/* Copies into a slot as `staging` says. */
+static copy_fn stage_copy(dptc_shm_staging staging)
+{
+    return staging == DPTC_SHM_STAGING_STREAMED ? copy_streaming : copy;
+}
+
+/* Takes in what a collective of `bytes` staged with `used` cost, and
+ * returns the staging for the next one (see [Note: staging]). */
+static dptc_shm_staging choose_staging(shm_transport *s, staging_chooser *k,
+                                       dptc_shm_staging used, double seconds, size_t bytes)
+{
+    if (s->staging != DPTC_SHM_STAGING_AUTO)
+        return s->staging;
+    if (k->trial_every == 0)
+        k->trial_every = STAGING_TRIAL_FIRST;
+    if (bytes >= STAGING_MEASURED_BYTES && seconds > 0) {
+        double cost = seconds / (double)bytes;
+        dptc_shm_staging current = (dptc_shm_staging)k->current;
+        if (used == current) {
+            k->cost[used] = k->cost[used] > 0 ? 0.75 * k->cost[used] + 0.25 * cost : cost;
+            k->since_trial++;
+            /* Worse than the other one was when last tried: the placement may
+             * have changed, try the other one now. */
+            double other = k->cost[1 - used];
+            if (other > 0 && cost > other)
+                k->since_trial = k->trial_every;
+        } else {
+            /* A try: its fresh cost replaces what is known of it, however old. */
+            k->cost[used] = cost;
+            k->since_trial = 0;
+            if (cost < STAGING_SWITCH * k->cost[current]) {
+                k->current = used;
+                k->trial_every = STAGING_TRIAL_SWITCHED;
+            } else if (k->trial_every < STAGING_TRIAL_MAX) {
+                k->trial_every *= 2;
+            }
+        }
+    }
+    dptc_shm_staging current = (dptc_shm_staging)k->current;
+    if (k->since_trial >= k->trial_every)
+        return current == DPTC_SHM_STAGING_CACHED ? DPTC_SHM_STAGING_STREAMED
+                                                  : DPTC_SHM_STAGING_CACHED;
+    return current;
+}
+
+/* Local rank 0, before the last step of a collective of kind `op` and
+ * `bytes` (its full buffer's, as nccl-tests counts them) staged with `used`,
+ * whose first step ended at `started` (0: not yet): chooses and publishes
+ * the staging of the next one (see [Note: staging]). */
+static void staging_done(channel *ch, staged_op op, dptc_shm_staging used, double started,
+                         size_t bytes)
+{
+    shm_transport *s = ch->s;
+    if (s->local_rank != 0 || ch->bridge || s->local_size == 1)
+        return;
+    double seconds = started > 0 ? dptc_now() - started : 0;
+    dptc_shm_staging next = choose_staging(s, &ch->choosers[op], used, seconds, bytes);
+    atomic_store_explicit(&ch->peers[0].staging[op], (uint32_t)next, memory_order_relaxed);
+}
 
 /* The address of element `at` of the operand, its input or (with `output`)
  * its output; on pieces both are the pieces (see [Note: several pieces]).
@@ -669,8 +764,6 @@ static unsigned char *operand_at(const dptc_coll *c, int output, size_t at, size
     return NULL;
 }
 
-typedef void (*copy_fn)(void *dst, const void *src, size_t nbytes);
-
 /* Copies elements [at, at + n) of the operand's input into buf with `how`. */
 static void stage_input(const dptc_coll *c, size_t at, size_t n, unsigned char *buf,
                         size_t elsize, copy_fn how)
@@ -684,56 +777,6 @@ static void stage_input(const dptc_coll *c, size_t at, size_t n, unsigned char *
         at += take;
         n -= take;
     }
-}
-
-/* The staging the next large all-reduce on ch uses. */
-static dptc_shm_staging staging_of(channel *ch)
-{
-    if (ch->bridge || ch->s->local_size == 1)
-        return DPTC_SHM_STAGING_CACHED;
-    uint32_t chosen = atomic_load_explicit(&ch->peers[0].staging, memory_order_relaxed);
-    return chosen == DPTC_SHM_STAGING_STREAMED ? DPTC_SHM_STAGING_STREAMED
-                                               : DPTC_SHM_STAGING_CACHED;
-}
-
-/* Local rank 0: takes in what an all-reduce of `bytes` staged with `used`
- * cost, and returns the staging for the next one (see [Note: staging]). */
-static dptc_shm_staging choose_staging(channel *ch, dptc_shm_staging used, double seconds,
-                                       size_t bytes)
-{
-    if (ch->s->staging != DPTC_SHM_STAGING_AUTO)
-        return ch->s->staging;
-    if (ch->trial_every == 0)
-        ch->trial_every = STAGING_TRIAL_FIRST;
-    if (bytes >= STAGING_MEASURED_BYTES && seconds > 0) {
-        double cost = seconds / (double)bytes;
-        dptc_shm_staging current = (dptc_shm_staging)ch->staging_current;
-        if (used == current) {
-            double *mean = &ch->staging_cost[used];
-            *mean = *mean > 0 ? 0.75 * *mean + 0.25 * cost : cost;
-            ch->since_trial++;
-            /* Worse than the other one was when last tried: the placement may
-             * have changed, try the other one now. */
-            double other = ch->staging_cost[1 - used];
-            if (other > 0 && cost > other)
-                ch->since_trial = ch->trial_every;
-        } else {
-            /* A try: its fresh cost replaces what is known of it, however old. */
-            ch->staging_cost[used] = cost;
-            ch->since_trial = 0;
-            if (cost < STAGING_SWITCH * ch->staging_cost[current]) {
-                ch->staging_current = used;
-                ch->trial_every = STAGING_TRIAL_SWITCHED;
-            } else if (ch->trial_every < STAGING_TRIAL_MAX) {
-                ch->trial_every *= 2;
-            }
-        }
-    }
-    dptc_shm_staging current = (dptc_shm_staging)ch->staging_current;
-    if (ch->since_trial >= ch->trial_every)
-        return current == DPTC_SHM_STAGING_CACHED ? DPTC_SHM_STAGING_STREAMED
-                                                  : DPTC_SHM_STAGING_CACHED;
-    return current;
 }
 
 /* Stages the round's chunk [done, done + chunk) in my slot `staged`: all of
@@ -797,9 +840,8 @@ static dptc_status all_reduce_large(channel *ch, const dptc_coll *c, uint64_t se
     size_t part_max = elements_per(s->all_reduce_round / (size_t)n, elsize);
     size_t chunk_max = part_max * (size_t)n;
     CHECK(check_window(s, part_max, err));
-    dptc_shm_staging staging = staging_of(ch);
+    dptc_shm_staging staging = staging_of(ch, STAGED_ALL_REDUCE);
     int streamed = staging == DPTC_SHM_STAGING_STREAMED;
-    atomic_fetch_add_explicit(&ch->staged[staging], 1, memory_order_relaxed);
     unsigned char *out = c->output;
     int first = 1;
     double started = 0;
@@ -829,12 +871,8 @@ static dptc_status all_reduce_large(channel *ch, const dptc_coll *c, uint64_t se
                     CHECK(dptc_scale(mine, hi - lo, c->dtype, scale, err));
             }
         }
-        if (done + chunk >= c->count && s->local_rank == 0 && !ch->bridge && n > 1) {
-            /* Before the last step: see [Note: staging]. */
-            dptc_shm_staging next = choose_staging(ch, staging, dptc_now() - started,
-                                                   c->count * elsize);
-            atomic_store_explicit(&ch->peers[0].staging, (uint32_t)next, memory_order_relaxed);
-        }
+        if (done + chunk >= c->count)
+            staging_done(ch, STAGED_ALL_REDUCE, staging, started, c->count * elsize);
         CHECK(step(ch, deadline, err));
         for (int p = 0; p < n; p++) {
             if (p == s->local_rank && streamed)
@@ -912,15 +950,21 @@ static dptc_status broadcast(channel *ch, const dptc_coll *c, uint64_t seq,
     int root_node = c->root / s->local_size, root_local = c->root % s->local_size;
     int is_root = c->root == s->node * s->local_size + s->local_rank;
     unsigned char *buf = c->output;
+    dptc_shm_staging staging = staging_of(ch, STAGED_BROADCAST);
     int first = 1;
+    double started = 0;
     for (size_t done = 0; done < c->count || first;) {
         size_t chunk = c->count - done < chunk_max ? c->count - done : chunk_max;
         unsigned char *staged = slot_buffer(ch, root_local, ch->rounds);
         if (is_root)
-            copy(staged, buf + done * elsize, chunk * elsize);
+            stage_copy(staging)(staged, buf + done * elsize, chunk * elsize);
         if (ch->bridge && s->local_rank == root_local && chunk > 0)
             CHECK(bridge(ch, DPTC_BRIDGE_BROADCAST, c, staged, NULL, chunk, root_node, err));
+        if (done + chunk >= c->count)
+            staging_done(ch, STAGED_BROADCAST, staging, started, c->count * elsize);
         CHECK(begin_round(ch, c, seq, deadline, err));
+        if (first)
+            started = dptc_now();
         first = 0;
         if (!is_root)
             copy(buf + done * elsize, staged, chunk * elsize);
@@ -1000,16 +1044,23 @@ static dptc_status all_gather(channel *ch, const dptc_coll *c, uint64_t seq,
     size_t window_max = elements_per(s->slot_bytes / parts, elsize);
     const unsigned char *in = c->input;
     CHECK(check_window(s, window_max, err));
+    dptc_shm_staging staging = staging_of(ch, STAGED_ALL_GATHER);
+    size_t bytes = c->count * elsize * (size_t)(s->local_size * s->nnodes);
     int first = 1;
+    double started = 0;
     for (size_t done = 0; done < c->count || first;) {
         size_t w = c->count - done < window_max ? c->count - done : window_max;
         unsigned char *mine = slot_buffer(ch, s->local_rank, ch->rounds);
         /* Across nodes a slot holds [nnodes gathered windows of w][my window]. */
         unsigned char *staged = mine + (size_t)s->nnodes * window_max * elsize;
-        copy(ch->bridge ? staged : mine, in + done * elsize, w * elsize);
+        stage_copy(staging)(ch->bridge ? staged : mine, in + done * elsize, w * elsize);
         if (ch->bridge && w > 0)
             CHECK(bridge(ch, DPTC_BRIDGE_ALL_GATHER, c, staged, mine, w, 0, err));
+        if (done + w >= c->count)
+            staging_done(ch, STAGED_ALL_GATHER, staging, started, bytes);
         CHECK(begin_round(ch, c, seq, deadline, err));
+        if (first)
+            started = dptc_now();
         first = 0;
         for (int node = 0; node < s->nnodes; node++)
             for (int p = 0; p < s->local_size; p++) {
@@ -1064,14 +1115,21 @@ static dptc_status reduce_scatter(channel *ch, const dptc_coll *c, uint64_t seq,
     if (ch->in_shared)
         return reduce_scatter_shared(ch, c, seq, deadline, err);
     CHECK(check_window(s, window_max, err));
+    dptc_shm_staging staging = staging_of(ch, STAGED_REDUCE_SCATTER);
     int first = 1;
+    double started = 0;
     for (size_t done = 0; done < c->count || first;) {
         size_t w = c->count - done < window_max ? c->count - done : window_max;
         unsigned char *mine = slot_buffer(ch, s->local_rank, ch->rounds);
         for (int g = 0; g < n; g++)
-            copy(mine + (size_t)g * window_max * elsize,
-                 in + ((size_t)g * c->count + done) * elsize, w * elsize);
+            stage_copy(staging)(mine + (size_t)g * window_max * elsize,
+                                in + ((size_t)g * c->count + done) * elsize, w * elsize);
+        if (done + w >= c->count)
+            staging_done(ch, STAGED_REDUCE_SCATTER, staging, started,
+                         c->count * elsize * (size_t)n);
         CHECK(begin_round(ch, c, seq, deadline, err));
+        if (first)
+            started = dptc_now();
         first = 0;
         unsigned char *scratch = mine + (size_t)n * window_max * elsize;
         unsigned char *received = scratch + (size_t)s->nnodes * window_max * elsize;
@@ -1590,14 +1648,20 @@ dptc_status dptc_shm_failure(dptc_transport *t, dptc_error *err)
 
 int dptc_shm_segment_fd(dptc_transport *t) { return ((shm_transport *)t)->fd; }
 
-void dptc_shm_stagings(dptc_transport *t, int stream, uint64_t counts[2])
+void dptc_shm_stagings(dptc_transport *t, int stream, dptc_op op, uint64_t counts[2])
 {
     shm_transport *s = (shm_transport *)t;
     counts[0] = counts[1] = 0;
-    if (stream < 0 || stream >= s->nstreams)
+    staged_op kind = op == DPTC_OP_ALL_REDUCE       ? STAGED_ALL_REDUCE
+                     : op == DPTC_OP_ALL_GATHER     ? STAGED_ALL_GATHER
+                     : op == DPTC_OP_REDUCE_SCATTER ? STAGED_REDUCE_SCATTER
+                     : op == DPTC_OP_BROADCAST      ? STAGED_BROADCAST
+                                                    : STAGED_OPS;
+    if (stream < 0 || stream >= s->nstreams || kind == STAGED_OPS)
         return;
     for (int k = 0; k < 2; k++)
-        counts[k] = atomic_load_explicit(&s->channels[stream].staged[k], memory_order_relaxed);
+        counts[k] = atomic_load_explicit(&s->channels[stream].staged[kind][k],
+                                         memory_order_relaxed);
 }
 
 void *dptc_shm_slot(dptc_transport *t, int stream, int local, size_t *bytes)
@@ -1689,10 +1753,11 @@ static dptc_status shm_open_transport(const dptc_group_config *cfg, dptc_transpo
         ch->slots = s->map + slots_at + (size_t)(k * s->local_size) * s->region;
         atomic_store(&ch->peers[s->local_rank].pid, (int32_t)getpid());
         atomic_store(&ch->peers[s->local_rank].share_fd, -1);
-        if (s->local_rank == 0)  /* the first large all-reduce's staging: [Note: staging] */
-            atomic_store(&ch->peers[0].staging, s->staging == DPTC_SHM_STAGING_AUTO
-                                                    ? DPTC_SHM_STAGING_CACHED
-                                                    : s->staging);
+        for (int op = 0; op < STAGED_OPS && s->local_rank == 0; op++)
+            /* The first collectives' staging: see [Note: staging]. */
+            atomic_store(&ch->peers[0].staging[op], s->staging == DPTC_SHM_STAGING_AUTO
+                                                        ? DPTC_SHM_STAGING_CACHED
+                                                        : s->staging);
     }
     *out = &s->base;
     return DPTC_OK;

@@ -9,11 +9,11 @@
 
 extern const dptc_transport_ops dptc_shm_transport;
 
-/* How a large all-reduce on one node stages its data; see [Note: staging]
- * in shm.c. */
+/* How a collective on one node stages its data in the slots; see [Note:
+ * staging] in shm.c. */
 typedef enum {
-    DPTC_SHM_STAGING_CACHED = 0,    /* ordinary stores, every rank's whole chunk */
-    DPTC_SHM_STAGING_STREAMED = 1,  /* non-temporal stores, only what peers read */
+    DPTC_SHM_STAGING_CACHED = 0,    /* ordinary stores */
+    DPTC_SHM_STAGING_STREAMED = 1,  /* non-temporal stores, of only what peers read */
     DPTC_SHM_STAGING_AUTO = 2,      /* local rank 0 times both and chooses */
 } dptc_shm_staging;
 
@@ -36,9 +36,10 @@ int dptc_shm_segment_fd(dptc_transport *t);
 /* The abort a local peer recorded (see [Note: abort record] in shm.c), as
  * this rank would raise it; DPTC_OK while nobody aborted. */
 dptc_status dptc_shm_failure(dptc_transport *t, dptc_error *err);
-/* How many large all-reduces on `stream` were staged each way so far,
- * indexed by dptc_shm_staging (cached, streamed); zeros out of range. */
-void dptc_shm_stagings(dptc_transport *t, int stream, uint64_t counts[2]);
+/* How many collectives `op` on `stream` went through the staging slots each
+ * way so far, indexed by dptc_shm_staging (cached, streamed); zeros for
+ * other ops and out of range. */
+void dptc_shm_stagings(dptc_transport *t, int stream, dptc_op op, uint64_t counts[2]);
 /* Base address and size of the staging slots of local rank `local` on
  * `stream` (the bridge wraps these in tensors); NULL when out of range. */
 void *dptc_shm_slot(dptc_transport *t, int stream, int local, size_t *bytes);

@@ -429,11 +429,12 @@ def summary(rows, test_label, shared_label=None):
 # Entry point
 
 def staging_line(group):
-    """How the group's large staged all-reduces were staged on stream 0 (local rank 0 times
-    both ways and chooses, see [Note: staging] in csrc/shm.c)."""
-    counts = group.all_reduce_stagings(0)
-    return (f"# dptc's large staged all-reduces: {counts['cached']} cached, "
-            f"{counts['streamed']} streamed")
+    """How the group's staged collectives on stream 0 were staged (local rank 0 times both
+    ways and chooses, see [Note: staging] in csrc/shm.c)."""
+    counts = group.stagings(0)
+    ran = [f"{op} {c['cached']} cached, {c['streamed']} streamed"
+           for op, c in counts.items() if c["cached"] + c["streamed"]]
+    return "# dptc's staged collectives: " + ("; ".join(ran) or "none")
 
 
 def parse_args(argv):

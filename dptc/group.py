@@ -90,9 +90,10 @@ class ProcessGroup:
                 f"node={self.node}/{self.nnodes}, local_rank={self.local_rank}/"
                 f"{self.local_size})")
 
-    def all_reduce_stagings(self, stream=0):
-        """How this rank staged the group's large all-reduces on `stream` so far, as
-        {"cached": n, "streamed": m}: see [Note: staging] in csrc/shm.c."""
+    def stagings(self, stream=0):
+        """How this rank staged the group's collectives on `stream` that went through the
+        shared segment's slots, so far: {op: {"cached": n, "streamed": m}} for all_reduce,
+        all_gather, reduce_scatter and broadcast (see [Note: staging] in csrc/shm.c)."""
         if not isinstance(stream, int) or not 0 <= stream < self.num_streams:
             raise ValueError(f"stream must be an int in [0, {self.num_streams}), got {stream!r}")
         return self._c.stagings(stream)

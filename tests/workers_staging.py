@@ -1,9 +1,9 @@
-"""Rank-side functions for tests/test_staging.py: how a large one-node all-reduce stages its
-data (cached or streamed, see [Note: staging] in csrc/shm.c), chosen by local rank 0 or fixed
-with DPTC_SHM_STAGING.
+"""Rank-side functions for tests/test_staging.py: how a one-node collective stages its data in
+the shared segment's slots (cached or streamed, see [Note: staging] in csrc/shm.c), chosen by
+local rank 0 or fixed with DPTC_SHM_STAGING.
 
-Each function returns what this rank saw, including how its group's large all-reduces were
-staged (`ProcessGroup.all_reduce_stagings`), so that the test can tell which path ran.
+Each function returns what this rank saw, including how its group's collectives were staged
+(`ProcessGroup.stagings`), so that the test can tell which path ran.
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ MEASURED_COUNT = (5 << 20) // 4 + 17
 
 def _stagings():
     import dptc
-    return dptc.group.default_group().all_reduce_stagings(0)
+    return dptc.group.default_group().stagings(0)
 
 
 def sweep(seed: int):
     """Every collective case of tests/workers_collectives.py (every op, dtype and size, the
-    64.8 MiB all-reduce, the async checks), then how the large all-reduces were staged."""
+    64.8 MiB all-reduce, the async checks), then how the collectives were staged."""
     api = load_impl("dptc")
     result = {"sync": run_sync_cases(api, seed=seed, large=True),
               "async": run_async_checks(api, seed=seed)}
@@ -50,28 +50,55 @@ def _inputs(seed, call, size, count, dtype):
     return out
 
 
+def _expected(op, inputs, rank, size):
+    if op == "all_reduce":
+        total = inputs[0].clone()
+        for other in inputs[1:]:
+            total += other
+        return total
+    if op == "all_gather":
+        return torch.cat(inputs)
+    if op == "reduce_scatter":
+        total = _expected("all_reduce", inputs, rank, size)
+        return total.chunk(size)[rank].clone()
+    return inputs[0]  # broadcast from rank 0
+
+
 def auto_choice(seed: int, calls: int):
-    """`calls` all-reduces of MEASURED_COUNT elements under the automatic choice, float32 and
-    int64, in place and not, each checked bit for bit against the sum in rank order.  Returns
-    the failures and how the all-reduces were staged: every rank must report the same counts,
-    as every rank stages each collective the same way."""
+    """`calls` collectives of each staged kind (all_reduce, all_gather, reduce_scatter,
+    broadcast), of at least 4 MiB, under the automatic choice, float32 and int64, each checked
+    bit for bit against the math (sums in rank order).  Returns the failures and how the
+    collectives were staged: every rank must report the same counts, as every rank stages each
+    collective the same way."""
     import dptc
     dptc.init_process_group()
     rank, size = dptc.get_rank(), dptc.get_world_size()
     failures = []
     for call in range(calls):
         dtype = torch.int64 if call % 3 == 2 else torch.float32
-        inputs = _inputs(seed, call, size, MEASURED_COUNT, dtype)
-        expected = inputs[0].clone()
-        for other in inputs[1:]:
-            expected += other
-        tensor = inputs[rank].clone()
-        dptc.all_reduce(tensor)
-        if not torch.equal(tensor, expected):
-            wrong = (tensor != expected).nonzero().flatten()
-            failures.append(f"call {call} ({dtype}): {wrong.numel()} elements differ, first at "
-                            f"{wrong[0].item()}: {tensor[wrong[0]].item()} != "
-                            f"{expected[wrong[0]].item()}")
+        for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast"):
+            count = MEASURED_COUNT * (size if op == "reduce_scatter" else 1)
+            if op == "all_gather":
+                count = MEASURED_COUNT // size + 1
+            inputs = _inputs(seed, call, size, count, dtype)
+            expected = _expected(op, inputs, rank, size)
+            if op == "all_reduce":
+                got = inputs[rank].clone()
+                dptc.all_reduce(got)
+            elif op == "all_gather":
+                got = torch.empty(count * size, dtype=dtype)
+                dptc.all_gather_into_tensor(got, inputs[rank])
+            elif op == "reduce_scatter":
+                got = torch.empty(count // size, dtype=dtype)
+                dptc.reduce_scatter_tensor(got, inputs[rank])
+            else:
+                got = inputs[rank].clone()
+                dptc.broadcast(got, src=0)
+            if not torch.equal(got, expected):
+                wrong = (got != expected).nonzero().flatten()
+                failures.append(f"call {call} {op} ({dtype}): {wrong.numel()} elements "
+                                f"differ, first at {wrong[0].item()}: "
+                                f"{got[wrong[0]].item()} != {expected[wrong[0]].item()}")
     stagings = _stagings()
     dptc.destroy_process_group()
     return {"failures": failures, "stagings": stagings}
@@ -98,7 +125,7 @@ def ddp_training(seed: int, steps: int):
     """dptc's DDP (gradients all-reduced where autograd left them, as pieces) trains an MLP for
     `steps` SGD steps on this rank's slice of a global batch, beside a single-process copy on
     the whole batch.  Returns the parameters' digest, their largest relative difference from
-    the single-process copy, and how the large all-reduces were staged."""
+    the single-process copy, and how the collectives were staged."""
     import dptc
     dptc.init_process_group()
     rank, size = dptc.get_rank(), dptc.get_world_size()

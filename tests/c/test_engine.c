@@ -17,7 +17,7 @@
  *  2. from two threads at once, one per stream, issues a few hundred mixed
  *     collectives, blocking (dptc_group_run) and asynchronous (up to 4 in
  *     flight, waited in and out of order), float32 of 1 to 300k elements,
- *     values chosen so that every result is exact (large all-reduces staged
+ *     values chosen so that every result is exact (the slots filled
  *     streamed in the group of 2, cached in the group of 3); each stream
  *     first makes a shared buffer (DPTC_OP_CALL with dptc_shm_share), both
  *     at once, and both streams then work in place on either while the other stream's
@@ -1022,8 +1022,8 @@ static dptc_group *open_group(const links *l, int generation)
     char name[64], path[PATH_BYTES];
     snprintf(name, sizeof name, "/dptc-test-%d-%d-%d", (int)l->parent, my_size, generation);
     memset(path, 0, sizeof path);
-    /* Both stagings of the large all-reduce (see [Note: staging] in shm.c):
-     * the group of 2 streams, the group of 3 stages cached. */
+    /* Both stagings of the slots (see [Note: staging] in shm.c): the group
+     * of 2 streams, the group of 3 stages cached. */
     dptc_shm_config shm = {my_size == 2 ? DPTC_SHM_STAGING_STREAMED : DPTC_SHM_STAGING_CACHED};
     dptc_group_config cfg = {
         .rank = my_rank, .size = my_size, .local_rank = my_rank, .local_size = my_size,
