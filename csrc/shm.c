@@ -111,10 +111,18 @@ typedef struct {
 
 typedef struct shm_transport shm_transport;
 
+/* How many of the current staging's costs its median takes (see [Note:
+ * staging]). */
+#define STAGING_RECENT 5
+
 /* How local rank 0 chooses the staging of one kind of collective (see
  * [Note: staging]). */
 typedef struct {
-    double cost[2];               /* recent seconds per byte of each staging; 0: unmeasured */
+    double cost[2];               /* seconds per byte of each staging: the current one's
+                                     median over `recent`, the other's last try; 0: unmeasured */
+    double recent[STAGING_RECENT];  /* the current one's last costs, a ring */
+    uint32_t nrecent;             /* how many of them are filled */
+    double best;                  /* the current one's lowest cost since it became current */
     uint32_t current;             /* the staging that measured cheaper */
     uint32_t since_trial;         /* measured collectives since the other one was tried */
     uint32_t trial_every;         /* measured collectives between two tries */
@@ -647,15 +655,18 @@ static span part_of(size_t count, int n, int p, size_t max_part)
  * Neither wins in every placement, so for each kind of collective local
  * rank 0 times every large one (at least STAGING_MEASURED_BYTES, from its
  * first step to its last, which leaves the ranks' arrival out) and chooses
- * the staging whose recent cost per byte is lower (choose_staging).  It
- * tries the other one after a number of collectives that doubles while the
- * other keeps losing, and at once when the current one measures worse than
- * the other did when last tried (the placement changed).  Rank 0 publishes
- * its choice in its peer record before the collective's last step; every
- * rank reads it before it stages its next collective of that kind, which
- * cannot reach its own last step before every rank has posted its first:
- * rank 0 never publishes again before all have read, and every rank stages
- * the same way.  Even if they did not, the results would be right: how a
+ * the staging whose cost per byte is lower (choose_staging): the current
+ * one's is the median of its last STAGING_RECENT costs, so that one slow
+ * collective (the host taking a core away for a moment) does not make it
+ * switch; the other's is what it cost when last tried.  It tries the other
+ * one after a number of collectives that doubles while the other keeps
+ * losing, and at once when the current one costs more than the other did
+ * when last tried, or its median settles STAGING_WORSE above its best (the
+ * placement changed).  Rank 0 publishes its choice in its peer record
+ * before the collective's last step; every rank reads it before it stages
+ * its next collective of that kind, which cannot reach its own last step
+ * before every rank has posted its first: rank 0 never publishes again
+ * before all have read, and every rank stages the same way.  Even if they did not, the results would be right: how a
  * rank fills its slot is its own affair, and under both stagings the
  * all-reduce leaves the parts its peers reduce in a rank's slot before the
  * middle step and its own reduced part after it, at the same places.  Both
@@ -668,6 +679,7 @@ static span part_of(size_t count, int n, int p, size_t max_part)
 #define STAGING_TRIAL_SWITCHED 16  /* ... before the first try after a switch */
 #define STAGING_TRIAL_MAX 256      /* the most between two tries */
 #define STAGING_SWITCH 0.95        /* a try wins at 5 % cheaper than the current one */
+#define STAGING_WORSE 1.25         /* the current one settled this much above its best */
 
 /* The staging the next large collective of kind `op` on ch uses; counts it. */
 static dptc_shm_staging staging_of(channel *ch, staged_op op)
@@ -687,6 +699,24 @@ static copy_fn stage_copy(dptc_shm_staging staging)
     return staging == DPTC_SHM_STAGING_STREAMED ? copy_streaming : copy;
 }
 
+/* Adds a cost of the current staging to its ring and sets its cost to the
+ * ring's median, which one slow collective (the host taking the core away
+ * for a moment) does not move. */
+static void note_current_cost(staging_chooser *k, double cost)
+{
+    k->recent[k->nrecent % STAGING_RECENT] = cost;
+    k->nrecent++;
+    uint32_t n = k->nrecent < STAGING_RECENT ? k->nrecent : STAGING_RECENT;
+    double sorted[STAGING_RECENT];
+    for (uint32_t i = 0; i < n; i++) {
+        uint32_t j = i;
+        for (; j > 0 && sorted[j - 1] > k->recent[i]; j--)
+            sorted[j] = sorted[j - 1];
+        sorted[j] = k->recent[i];
+    }
+    k->cost[k->current] = sorted[n / 2];
+}
+
 /* Takes in what a collective of `bytes` staged with `used` cost, and
  * returns the staging for the next one (see [Note: staging]). */
 static dptc_shm_staging choose_staging(shm_transport *s, staging_chooser *k,
@@ -700,12 +730,15 @@ static dptc_shm_staging choose_staging(shm_transport *s, staging_chooser *k,
         double cost = seconds / (double)bytes;
         dptc_shm_staging current = (dptc_shm_staging)k->current;
         if (used == current) {
-            k->cost[used] = k->cost[used] > 0 ? 0.75 * k->cost[used] + 0.25 * cost : cost;
+            note_current_cost(k, cost);
             k->since_trial++;
-            /* Worse than the other one was when last tried: the placement may
-             * have changed, try the other one now. */
+            if (k->best == 0 || k->cost[used] < k->best)
+                k->best = k->cost[used];
+            /* Worse than the other one was when last tried, or settled well
+             * above its best: the placement may have changed, try the other
+             * one now. */
             double other = k->cost[1 - used];
-            if (other > 0 && cost > other)
+            if ((other > 0 && cost > other) || k->cost[used] > STAGING_WORSE * k->best)
                 k->since_trial = k->trial_every;
         } else {
             /* A try: its fresh cost replaces what is known of it, however old. */
@@ -713,9 +746,14 @@ static dptc_shm_staging choose_staging(shm_transport *s, staging_chooser *k,
             k->since_trial = 0;
             if (cost < STAGING_SWITCH * k->cost[current]) {
                 k->current = used;
+                k->nrecent = 0;
+                note_current_cost(k, cost);
+                k->best = cost;
                 k->trial_every = STAGING_TRIAL_SWITCHED;
-            } else if (k->trial_every < STAGING_TRIAL_MAX) {
-                k->trial_every *= 2;
+            } else {
+                k->best = k->cost[current];  /* its new level stands */
+                if (k->trial_every < STAGING_TRIAL_MAX)
+                    k->trial_every *= 2;
             }
         }
     }
