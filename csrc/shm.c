@@ -532,12 +532,57 @@ static dptc_status bridge(channel *ch, dptc_bridge_op op, const dptc_coll *c,
  * same count step for step, as a rank that has joined (DDP's join()) does
  * with zeros.
  *
- * pieces_copy moves elements [at, at + n) of that concatenation, in block
- * `block` of each piece, between buf and the pieces (into_pieces says
- * which way). */
-static void pieces_copy(const dptc_coll *c, size_t block, size_t at, size_t n,
-                        unsigned char *buf, size_t elsize, int into_pieces)
+ * operand_at and stage_input read elements of that concatenation;
+ * place_output writes them, in block `block` of each piece. */
+
+/* The address of element `at` of the operand, its input or (with `output`)
+ * its output; on pieces both are the pieces.  *run says how many elements
+ * follow contiguously there. */
+static unsigned char *operand_at(const dptc_coll *c, int output, size_t at, size_t elsize,
+                                 size_t *run)
 {
+    if (c->noutputs == 0) {
+        *run = c->count - at;
+        return (unsigned char *)(output ? c->output : c->input) + at * elsize;
+    }
+    size_t start = 0;
+    for (int j = 0; j < c->noutputs; j++) {
+        size_t len = c->output_counts[j];
+        if (at < start + len) {
+            *run = start + len - at;
+            return (unsigned char *)c->outputs[j] + (at - start) * elsize;
+        }
+        start += len;
+    }
+    *run = 0;
+    return NULL;
+}
+
+/* Copies elements [at, at + n) of the operand's input into buf with `how`. */
+static void stage_input(const dptc_coll *c, size_t at, size_t n, unsigned char *buf,
+                        size_t elsize, copy_fn how)
+{
+    while (n > 0) {
+        size_t run;
+        const unsigned char *from = operand_at(c, 0, at, elsize, &run);
+        size_t take = run < n ? run : n;
+        how(buf, from, take * elsize);
+        buf += take * elsize;
+        at += take;
+        n -= take;
+    }
+}
+
+/* Copies n elements from src to elements [at, at + n) of block `block` of
+ * the output or outputs: group rank `block`'s share of an all-gather, the
+ * one block of an all-reduce. */
+static void place_output(const dptc_coll *c, size_t block, size_t at, size_t n,
+                         const unsigned char *src, size_t elsize)
+{
+    if (c->noutputs == 0) {
+        copy((unsigned char *)c->output + (block * c->count + at) * elsize, src, n * elsize);
+        return;
+    }
     size_t start = 0;
     for (int j = 0; j < c->noutputs && n > 0; j++) {
         size_t len = c->output_counts[j];
@@ -545,27 +590,13 @@ static void pieces_copy(const dptc_coll *c, size_t block, size_t at, size_t n,
             size_t offset = at - start;
             size_t take = len - offset < n ? len - offset : n;
             unsigned char *piece = (unsigned char *)c->outputs[j] + (block * len + offset) * elsize;
-            if (into_pieces)
-                copy(piece, buf, take * elsize);
-            else
-                copy(buf, piece, take * elsize);
-            buf += take * elsize;
+            copy(piece, src, take * elsize);
+            src += take * elsize;
             at += take;
             n -= take;
         }
         start += len;
     }
-}
-
-/* Copies elements [at, at + n) of group rank g's input to their place in
- * the output or outputs. */
-static void place_gathered(const dptc_coll *c, size_t g, size_t at, size_t n,
-                           const unsigned char *src, size_t elsize)
-{
-    if (c->noutputs == 0)
-        copy((unsigned char *)c->output + (g * c->count + at) * elsize, src, n * elsize);
-    else
-        pieces_copy(c, g, at, n, (unsigned char *)src, elsize, 1);
 }
 
 /* Small all-reduce on one node: one step; every rank reduces everything,
@@ -575,11 +606,7 @@ static dptc_status all_reduce_small(channel *ch, const dptc_coll *c, uint64_t se
 {
     shm_transport *s = ch->s;
     size_t elsize = dptc_dtype_size(c->dtype);
-    unsigned char *staged = slot_buffer(ch, s->local_rank, ch->rounds);
-    if (c->noutputs > 0)
-        pieces_copy(c, 0, 0, c->count, staged, elsize, 0);
-    else
-        copy(staged, c->input, c->count * elsize);
+    stage_input(c, 0, c->count, slot_buffer(ch, s->local_rank, ch->rounds), elsize, copy);
     CHECK(begin_round(ch, c, seq, deadline, err));
     const void *srcs[DPTC_MAX_LOCAL];
     for (int p = 0; p < s->local_size; p++)
@@ -779,44 +806,6 @@ static void staging_done(channel *ch, staged_op op, dptc_shm_staging used, doubl
     atomic_store_explicit(&ch->peers[0].staging[op], (uint32_t)next, memory_order_relaxed);
 }
 
-/* The address of element `at` of the operand, its input or (with `output`)
- * its output; on pieces both are the pieces (see [Note: several pieces]).
- * *run says how many elements follow contiguously there. */
-static unsigned char *operand_at(const dptc_coll *c, int output, size_t at, size_t elsize,
-                                 size_t *run)
-{
-    if (c->noutputs == 0) {
-        *run = c->count - at;
-        return (unsigned char *)(output ? c->output : c->input) + at * elsize;
-    }
-    size_t start = 0;
-    for (int j = 0; j < c->noutputs; j++) {
-        size_t len = c->output_counts[j];
-        if (at < start + len) {
-            *run = start + len - at;
-            return (unsigned char *)c->outputs[j] + (at - start) * elsize;
-        }
-        start += len;
-    }
-    *run = 0;
-    return NULL;
-}
-
-/* Copies elements [at, at + n) of the operand's input into buf with `how`. */
-static void stage_input(const dptc_coll *c, size_t at, size_t n, unsigned char *buf,
-                        size_t elsize, copy_fn how)
-{
-    while (n > 0) {
-        size_t run;
-        const unsigned char *from = operand_at(c, 0, at, elsize, &run);
-        size_t take = run < n ? run : n;
-        how(buf, from, take * elsize);
-        buf += take * elsize;
-        at += take;
-        n -= take;
-    }
-}
-
 /* Stages the round's chunk [done, done + chunk) in my slot `staged`: all of
  * it (cached), or the parts the peers reduce (streamed). */
 static void stage_chunk(channel *ch, const dptc_coll *c, dptc_shm_staging staging, size_t done,
@@ -880,7 +869,6 @@ static dptc_status all_reduce_large(channel *ch, const dptc_coll *c, uint64_t se
     CHECK(check_window(s, part_max, err));
     dptc_shm_staging staging = staging_of(ch, STAGED_ALL_REDUCE);
     int streamed = staging == DPTC_SHM_STAGING_STREAMED;
-    unsigned char *out = c->output;
     int first = 1;
     double started = 0;
     double scale = is_avg(c) ? 1.0 / (n * s->nnodes) : 1.0;
@@ -916,11 +904,8 @@ static dptc_status all_reduce_large(channel *ch, const dptc_coll *c, uint64_t se
             if (p == s->local_rank && streamed)
                 continue;  /* reduced straight into the output */
             span their = part_of(chunk, n, p, part_max);
-            unsigned char *part = slot_buffer(ch, p, ch->rounds) + their.lo * elsize;
-            if (c->noutputs > 0)
-                pieces_copy(c, 0, done + their.lo, their.hi - their.lo, part, elsize, 1);
-            else
-                copy(out + (done + their.lo) * elsize, part, (their.hi - their.lo) * elsize);
+            place_output(c, 0, done + their.lo, their.hi - their.lo,
+                         slot_buffer(ch, p, ch->rounds) + their.lo * elsize, elsize);
         }
         ch->rounds++;
         done += chunk;
@@ -1043,7 +1028,7 @@ static dptc_status all_gather_from_shared(channel *ch, const dptc_coll *c, uint6
     size_t elsize = dptc_dtype_size(c->dtype);
     CHECK(begin_round(ch, c, seq, deadline, err));
     for (int p = 0; p < s->local_size; p++)
-        place_gathered(c, (size_t)p, 0, c->count, ch->in_shared->base[p] + ch->shared_offset,
+        place_output(c, (size_t)p, 0, c->count, ch->in_shared->base[p] + ch->shared_offset,
                        elsize);
     return step(ch, deadline, err);
 }
@@ -1103,7 +1088,7 @@ static dptc_status all_gather(channel *ch, const dptc_coll *c, uint64_t seq,
         for (int node = 0; node < s->nnodes; node++)
             for (int p = 0; p < s->local_size; p++) {
                 size_t g = (size_t)node * (size_t)s->local_size + (size_t)p;
-                place_gathered(c, g, done, w,
+                place_output(c, g, done, w,
                                slot_buffer(ch, p, ch->rounds) + (size_t)node * w * elsize, elsize);
             }
         ch->rounds++;
