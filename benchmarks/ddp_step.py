@@ -37,7 +37,11 @@ hidden behind backward is
 
     hidden = 1 - (ddp_step - compute_step) / comm_time, clipped to [0, 1]
 
-(1: the wrapper costs nothing over compute; 0: it costs the whole all-reduce or more).
+(1: the wrapper costs nothing over compute; 0: it costs the whole all-reduce or more).  The
+scaling efficiency, compute / dptc DDP, is printed from the two medians and as the median over
+turns of each turn's ratio: a turn's two steps run next to each other, so when the machine
+speeds up or slows down during the run (the compute step moved between 60 and 78 ms from one
+run to the next on the development machine) the change cancels within a turn.
 """
 
 import argparse
@@ -217,11 +221,23 @@ def run_phases(phases, args, barrier, prepare=None):
     return samples
 
 
-def slowest_rank_median(seconds):
-    """Median over steps of the largest time any rank took for that step."""
+def slowest_rank(seconds):
+    """Per step, the largest time any rank took for it."""
     tensor = torch.tensor(seconds, dtype=torch.float64)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return statistics.median(tensor.tolist())
+    return tensor.tolist()
+
+
+def slowest_rank_median(seconds):
+    """Median over steps of the largest time any rank took for that step."""
+    return statistics.median(slowest_rank(seconds))
+
+
+def paired_efficiency(compute, wrapped):
+    """Median over turns of compute / wrapped, each turn's two steps (slowest rank) taken
+    next to each other: a drift of the machine's speed during the run, which moves both
+    phases' medians but not in step, cancels within a turn."""
+    return statistics.median(c / w for c, w in zip(compute, wrapped))
 
 
 def hidden_share(step, compute, comm):
@@ -299,7 +315,9 @@ def main(argv=None):
             joins.enter_context(torch_ddp.join())
             joins.enter_context(test_ddp.join())
         samples = run_phases(phases, args, barrier, prepare)
-    medians = {name: slowest_rank_median(s) for name, s in samples.items()}
+    slowest = {name: slowest_rank(s) for name, s in samples.items()}
+    medians = {name: statistics.median(s) for name, s in slowest.items()}
+    paired = paired_efficiency(slowest["compute"], slowest[f"{label} DDP"])
     # Both wrapped copies started equal and took the same steps on the same batches.
     drift = torch.tensor([max_parameter_difference(models["torch"], models["test"])],
                          dtype=torch.float64)
@@ -343,7 +361,8 @@ def main(argv=None):
         print(f"{label} DDP over compute: {excess * 1e3:.2f} ms = "
               f"{excess / medians[f'{label} comm']:.2f} x {label} comm")
         print(f"scaling efficiency compute / {label} DDP: "
-              f"{compute / medians[f'{label} DDP']:.3f}")
+              f"{compute / medians[f'{label} DDP']:.3f} (of the medians), "
+              f"{paired:.3f} (median over turns)")
         if wait_ms is not None:
             print(f"dptc end-of-backward wait: {wait_ms:.2f} ms per step (rank that waits "
                   f"longest, every phase's steps)")
@@ -362,6 +381,7 @@ def main(argv=None):
                            "parameters": params, "gradient_bytes": buffer.nbytes,
                            "bucket_cap_mb": args.bucket_cap_mb, "median_s": medians,
                            "ratio_torch_over_test": ratio, "hidden_share": hidden,
+                           "paired_efficiency": paired,
                            "max_parameter_difference": drift.item(),
                            "args": vars(args)}, f, indent=1)
     dist.barrier()
