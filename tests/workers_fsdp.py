@@ -54,6 +54,9 @@ class Scenario:
     prefetch: bool = False              # explicit forward/backward prefetch lists
     ignored: bool = False               # pos_emb frozen and passed in ignored_params
     frozen: bool = False                # block 0's attention frozen
+    # Every block's ln_attn frozen: backward needs its weight for the block's input gradient
+    # after the block's trainable gradients are complete.
+    frozen_norms: bool = False
     mp: bool = False                    # bf16 param_dtype, fp32 reduce_dtype
     dtype: torch.dtype = torch.float64  # of the GPT's parameters
     hsdp: bool = False                  # a (replicate=2, shard=world/2) mesh
@@ -79,6 +82,12 @@ SCENARIOS = {
     "gpt_prefetch": Scenario(prefetch=True),
     "gpt_ignored": Scenario(ignored=True),
     "gpt_frozen": Scenario(frozen=True),
+    "gpt_frozen_norms": Scenario(frozen_norms=True),
+    "gpt_frozen_bf16": Scenario(frozen=True, mp=True, reference=False, dtype=torch.float32),
+    "gpt_frozen_norms_bf16": Scenario(frozen_norms=True, mp=True, reference=False,
+                                      dtype=torch.float32),
+    "gpt_nosync_bf16": Scenario(accumulation="nosync", mp=True, reference=False,
+                                dtype=torch.float32),
     "odd": Scenario(model="odd"),
     "mixed": Scenario(model="mixed"),
     "gpt_fp32": Scenario(dtype=torch.float32),
@@ -185,10 +194,17 @@ def _loss(model, name, x, y):
     return (out.float() - y).square().mean()
 
 
-def _apply(fsdp, model, scenario, impl):
+def _freeze(model, scenario):
     if scenario.frozen:
         for p in model.blocks[0].attn.parameters():
             p.requires_grad_(False)
+    if scenario.frozen_norms:
+        for block in model.blocks:
+            block.ln_attn.requires_grad_(False)
+
+
+def _apply(fsdp, model, scenario, impl):
+    _freeze(model, scenario)
     kwargs = {}
     if scenario.reshard_after_forward is not None:
         kwargs["reshard_after_forward"] = scenario.reshard_after_forward
@@ -243,9 +259,8 @@ def _run(impl, name, scenario):
         import torch.distributed.fsdp as fsdp
     model = _build(scenario.model, scenario.dtype)
     ref = _build(scenario.model, scenario.dtype) if scenario.reference else None
-    if ref is not None and scenario.frozen:
-        for p in ref.blocks[0].attn.parameters():
-            p.requires_grad_(False)
+    if ref is not None:
+        _freeze(ref, scenario)
     if ref is not None and scenario.ignored:
         ref.pos_emb.weight.requires_grad_(False)
     _apply(fsdp, model, scenario, impl)

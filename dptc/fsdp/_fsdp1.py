@@ -231,6 +231,9 @@ class FullyShardedDataParallel(nn.Module):
         # wrapper between this instance and the module it shards.
         state = self.__dict__["_fsdp_state"] = module.__dict__["_dptc_fsdp_state"]
         _set_prefetch(state, backward_prefetch, forward_prefetch)
+        if state.unit is not None:
+            # no_sync accumulates in param_dtype, as torch's FSDP1 does.
+            state.unit.accumulate_in_reduce_dtype = False
         if state.unit is not None and mixed_precision is not None and \
                 mixed_precision.keep_low_precision_grads:
             state.unit.keep_low_precision_grads = True

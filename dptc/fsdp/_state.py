@@ -63,6 +63,9 @@ class State:
         self.backward_prefetch = None
         self.prefetch_after_backward = False   # FSDP1's BackwardPrefetch.BACKWARD_POST
         self.backward_started = False          # this iteration's pre-backward has run
+        # See [Note: frozen parameters in backward].
+        self.inputs_pending = 0                # forward inputs whose gradients are to come
+        self.reshard_deferred = False          # post-backward left the reshard to them
         self.root = None                       # the root State, once lazily initialised
         # Root only: the States of its subtree and this iteration's bookkeeping.
         self.states = []
@@ -126,7 +129,35 @@ class State:
         policy = self.mp_policy
         if policy.param_dtype is not None and policy.cast_forward_inputs:
             args, kwargs = tree_map(lambda v: _cast(v, policy.param_dtype), (args, kwargs))
+        if self.unit is not None and not root.in_backward and torch.is_grad_enabled() and \
+                self.unit.has_frozen_params():
+            self._hook_inputs(args, kwargs)
         return args, kwargs
+
+    # [Note: frozen parameters in backward]
+    # A unit's post-backward runs when the last of its parameters' gradients is complete,
+    # and reshards it.  A frozen parameter has no gradient to wait for, yet backward may
+    # still need its value after the others' are complete: a frozen LayerNorm ahead of a
+    # trainable Linear computes its input's gradient from its weight once the Linear's
+    # gradients are done.  So while a unit has frozen parameters, forward hooks its
+    # inputs that require grad (after the param_dtype cast), and post-backward reshards
+    # only once their gradients are complete too, that is once backward is done with the
+    # unit; the reduction still starts at post-backward.  Inputs that do not require grad
+    # need nothing of the unit beyond its own parameters' gradients; a backward that never
+    # reaches the inputs leaves the reshard to the end of backward.
+
+    def _hook_inputs(self, args, kwargs):
+        tensors = [t for t in tree_flatten((args, kwargs))[0]
+                   if isinstance(t, torch.Tensor) and t.requires_grad]
+        if tensors:
+            self.inputs_pending += 1
+            register_multi_grad_hook(tensors, self._inputs_done, mode="all")
+
+    def _inputs_done(self, _grads):
+        self.inputs_pending = max(0, self.inputs_pending - 1)
+        if self.inputs_pending == 0 and self.reshard_deferred:
+            self.reshard_deferred = False
+            self.unit.reshard()
 
     def _next_in_forward(self):
         if self.forward_prefetch is not None:
@@ -233,7 +264,12 @@ class State:
             unit.reduce(self.requires_all_reduce, self._shared_input)
             root.reducing.append(self)
         if self.reshard_after_backward:
-            unit.reshard()
+            if self.inputs_pending:
+                self.reshard_deferred = True   # see [Note: frozen parameters in backward]
+            else:
+                unit.reshard()
+        if not self.requires_gradient_sync:
+            unit.accumulate_unsynced()
 
     def _end_of_backward(self):
         """The root's callback, after autograd's last node (see [Note: one training step])."""
@@ -249,12 +285,15 @@ class State:
                 state.unit.finish_reduce(state.requires_all_reduce)
             for state in self.states:
                 state.backward_started = False
+                state.inputs_pending, state.reshard_deferred = 0, False
                 unit = state.unit
                 if unit is None:
                     continue
                 unused = state.reduce_scatter_unused_params
                 if state.requires_gradient_sync and (unused or unit.has_unsharded_grads()):
                     unit.reduce(state.requires_all_reduce, unused=unused)
+                elif not state.requires_gradient_sync:
+                    unit.accumulate_unsynced()
                 unit.finish_reduce(state.requires_all_reduce)
                 if state.reshard_after_backward:
                     unit.reshard()
@@ -272,6 +311,7 @@ class State:
         self.post_forward_order = []
         for state in self.states:
             state.backward_started = False
+            state.inputs_pending, state.reshard_deferred = 0, False
             if state.unit is not None:
                 for bucket in state.unit.buckets:
                     try:

@@ -80,6 +80,7 @@ class _Param:
         self.hook = None                      # its post-accumulate-grad hook
         self.summoned = None                  # full parameter inside summon_full_params
         self.aliased = False                  # unsharded is a view of the shard buffer
+        self.accumulated = None               # see [Note: accumulating without sync]
 
     def rank_start(self, rank):
         return min(self.extent, rank * self.rows)
@@ -359,6 +360,8 @@ class Unit:
         self.post_forward_group = None
         # FSDP1's MixedPrecision(keep_low_precision_grads=True), see _keep_low_precision.
         self.keep_low_precision_grads = False
+        # See [Note: accumulating without sync]; FSDP1 accumulates in param_dtype.
+        self.accumulate_in_reduce_dtype = True
         originals = {id(p): param for p, (param, _) in zip(self.params, params_and_locations)}
         for bucket in self.buckets:
             self._shard(bucket, originals)
@@ -687,8 +690,46 @@ class Unit:
                 self.on_complete(self)
         p.hook = p.unsharded.register_post_accumulate_grad_hook(hook)
 
+    def has_frozen_params(self):
+        return any(not p.sharded.requires_grad for p in self.params)
+
     def has_unsharded_grads(self):
-        return any(p.unsharded.grad is not None for p in self.params)
+        return any(p.unsharded.grad is not None or p.accumulated is not None
+                   for p in self.params)
+
+    # [Note: accumulating without sync]
+    # Under set_requires_gradient_sync(False) autograd accumulates each micro-batch's gradient
+    # into the unsharded parameter's .grad, in the compute dtype.  As torch's fully_shard
+    # does, a gradient in another dtype than its bucket's reduce dtype (bf16 under
+    # MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)) is moved after each
+    # unsynced backward into an accumulator in the reduce dtype, so that the micro-batches
+    # add up in fp32; the synced backward's reduce adds its own gradient to it and reduces
+    # the sum.  FSDP1's no_sync accumulates in param_dtype, as torch's FSDP1 does.
+
+    def accumulate_unsynced(self):
+        """After a backward without sync: moves the unsharded gradients into their
+        accumulators (see [Note: accumulating without sync])."""
+        if not self.accumulate_in_reduce_dtype:
+            return
+        for bucket in self.buckets:
+            for p in bucket.params:
+                if p.unsharded.grad is None or p.unsharded.grad.dtype == bucket.reduce_dtype:
+                    continue
+                grad = p.unsharded_grad()
+                if p.accumulated is None:
+                    p.accumulated = grad.to(bucket.reduce_dtype)
+                else:
+                    p.accumulated.add_(grad)
+                p.unsharded.grad = None
+
+    def _take_grad(self, p):
+        """p's gradient to reduce, its accumulator included, or None; clears both."""
+        grad = p.unsharded_grad()
+        if p.accumulated is not None:
+            grad = p.accumulated if grad is None else p.accumulated.add_(grad)
+            p.accumulated = None
+        p.unsharded.grad = None
+        return grad
 
     def reduce_input_bytes(self):
         """{reduce dtype: bytes of this unit's reduce inputs in that dtype}."""
@@ -714,18 +755,22 @@ class Unit:
         for bucket in self.buckets:
             if bucket.c.reducing:
                 raise RuntimeError("a unit's gradients were reduced twice in one backward")
-            grads = []
-            had = []
-            for p in bucket.params:
-                grad = p.unsharded_grad()
-                had.append(grad is not None or unused)
-                if grad is None:
-                    grad = torch.zeros(p.shape, dtype=bucket.reduce_dtype, device=self.device)
-                if p.piece > 0:
-                    grads.append((p, grad))
-                p.unsharded.grad = None
+            taken = [self._take_grad(p) for p in bucket.params]
+            had = [grad is not None or unused for grad in taken]
             if not any(had):
                 continue
+            # One dtype for the layout (_chunk_cat takes no mix): autograd's (the compute
+            # dtype), unless an accumulator or a missing gradient brings the reduce dtype in.
+            dtypes = {grad.dtype for grad in taken if grad is not None}
+            common = dtypes.pop() if len(dtypes) == 1 else bucket.reduce_dtype
+            grads = []
+            for p, grad in zip(bucket.params, taken):
+                if grad is None:   # frozen, unused: zeros in its place
+                    grad = torch.zeros(p.shape, dtype=common, device=self.device)
+                elif grad.dtype != common:
+                    grad = grad.to(common)
+                if p.piece > 0:
+                    grads.append((p, grad))
             dtype = bucket.reduce_dtype
             code = dtype_code(dtype)
             # Averaged in the collective unless a division follows (_post_divide_factor).
