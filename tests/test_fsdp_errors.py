@@ -6,6 +6,7 @@ layer is one launch whose results the tests share):
   message naming the argument or value and the remedy, and leaves the module as it was.  The
   same calls run against torch 2.13's fully_shard in the same processes; what torch does is
   pinned beside dptc's (REFUSALS), so a difference is a decision, not an accident:
+    parameters left on the meta device at the first forward   torch: RuntimeError as well
     applied twice        torch: AssertionError "can only be applied to a module once"
     child after parent   torch: TypeError "Invariant encountered: value was None" (an internal
                          assertion; at 1 rank the parent still trained after it)
@@ -55,6 +56,9 @@ FLOAT64_TOLERANCE = 1e-10
 # case: (dptc's error, fragments of dptc's message, torch 2.13's error, fragment of torch's);
 # None: the call is accepted.
 REFUSALS = {
+    "left_on_meta": ("RuntimeError", ["materialized from the meta device", "blocks.0.",
+                                      "to_empty"],
+                     "RuntimeError", "should be materialized from meta device"),
     "applied_twice": ("ValueError", ["already applied", "Block", "apply it once per module"],
                       "AssertionError", "can only be applied to a module once"),
     "child_after_parent": ("ValueError", ["bottom-up", "Block lies inside", "Net",

@@ -216,8 +216,17 @@ def _refusals(impl, after):
                                                        [Replicate(), Shard(0)]))
         fs.fully_shard(module)
 
+    def left_on_meta():
+        with torch.device("meta"):
+            model = _net()
+        for block in model.blocks:
+            fs.fully_shard(block)
+        fs.fully_shard(model)
+        model(torch.randn(ROWS_PER_RANK, WIDTH, dtype=torch.float64)).sum().backward()
+
     cases = {
         "applied_twice": applied_twice,
+        "left_on_meta": left_on_meta,
         "child_after_parent": child_after_parent,
         "zero_dim": zero_dim,
         "reshard_after_forward_0": reshard(0),

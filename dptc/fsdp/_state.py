@@ -92,6 +92,7 @@ class State:
             return
         self.root = self
         names = _range_names(self.modules)
+        self._check_materialized(names)
         for module in names:
             state = module.__dict__.get("_dptc_fsdp_state")
             if state is None or state.root is not None and state is not self:
@@ -107,6 +108,22 @@ class State:
                 state.unit.set_label(",".join(names.get(m, type(m).__name__)
                                               for m in state.modules))
         self._make_rings()
+
+    def _check_materialized(self, names):
+        """Raises, as torch's fully_shard does, when parameters made on the meta device are
+        still there at the first forward."""
+        left = []
+        for module in names:
+            state = module.__dict__.get("_dptc_fsdp_state")
+            if state is not None and state.unit is not None and state.module is module:
+                left += state.unit.meta_params(names)
+        if left:
+            self.root = None
+            raise RuntimeError(
+                f"fully_shard's parameters must be materialized from the meta device before "
+                f"training, but these are still there: {left}; call model.to_empty("
+                f"device='cpu') (or the CUDA device) after fully_shard, then initialize the "
+                f"values (e.g. reset_parameters() on each module) under torch.no_grad()")
 
     # -- forward ------------------------------------------------------------------------------
 

@@ -497,6 +497,17 @@ class Unit:
             mesh = meshes[id(tp_mesh)] = DeviceMesh._concatenate([self.mesh, tp_mesh])
         return mesh
 
+    def meta_params(self, names):
+        """The qualified names of the parameters made on the meta device that are still
+        there (their values were never set); names maps modules to theirs."""
+        left = []
+        for p in self.params:
+            module, name = p.locations[0]
+            if module._parameters[name] is p.sharded and p.sharded._local_tensor.is_meta:
+                prefix = names.get(module, "root")
+                left.append(name if prefix == "root" else f"{prefix}.{name}")
+        return left
+
     def reset_sharded(self):
         """Adopts parameters that replaced ours on the modules (``to_empty``,
         ``load_state_dict(assign=True)``): their values move into the shard buffer and their
