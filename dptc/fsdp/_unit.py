@@ -531,6 +531,13 @@ class Unit:
                                         f"must stay DTensors (load values with copy_ or "
                                         f"set_model_state_dict)")
                     p.sharded = current
+                if current.dtype != p.orig_dtype:
+                    raise TypeError(
+                        f"{type(module).__name__}.{name} changed dtype from {p.orig_dtype} to "
+                        f"{current.dtype} after fully_shard (.to(dtype), .half(), .double()); "
+                        f"dptc keeps the dtype parameters had when fully_shard was applied.  "
+                        f"Cast the model before fully_shard, or compute in another dtype with "
+                        f"MixedPrecisionPolicy(param_dtype=...)")
                 local = p.sharded._local_tensor
                 if local.is_meta or view.numel() and local.data_ptr() != view.data_ptr():
                     if not local.is_meta and p.local_rows:
