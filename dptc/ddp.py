@@ -80,12 +80,14 @@ class BucketPolicy:
 
 
 def _cap_bytes(cap_mb, argname):
+    """The cap in bytes, truncated as torch truncates it: 0 (or under a byte) closes every
+    bucket at its first parameter, as torch's bucket assignment does."""
     if isinstance(cap_mb, bool) or not isinstance(cap_mb, (int, float)):
         raise TypeError(f"{argname} must be a number of MiB, got {cap_mb!r}")
-    if not math.isfinite(cap_mb) or cap_mb <= 0:
-        raise ValueError(f"{argname} must be > 0, got {cap_mb}; pass None for the default "
+    if not math.isfinite(cap_mb) or cap_mb < 0:
+        raise ValueError(f"{argname} must be >= 0, got {cap_mb}; pass None for the default "
                          f"({_DEFAULT_BUCKET_CAP_MB} MiB)")
-    return max(1, int(cap_mb * _MB))
+    return int(cap_mb * _MB)
 
 
 def assign_buckets(nbytes, dtypes, order, policy):
@@ -152,16 +154,19 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     Wrap a model that is replicated on every rank; gradients are averaged over the process
     group during backward, in buckets, overlapping communication with the rest of backward.
-    Parameters (and buffers, with ``broadcast_buffers``) are copied from rank 0 at
-    construction; buffers again before each forward.  A CPU module on a node with fewer than
-    two cores per local rank has its buckets all-reduced at the end of backward instead, where
-    the progress thread would only take cores from backward (see [Note: overlap] in
-    csrc/reducer.c; ``DPTC_DDP_OVERLAP=1`` or ``0`` decides instead).
+    Parameters and buffers are copied from rank 0 at construction (with ``init_sync``; the
+    deprecated ``broadcast_buffers=False`` given alone leaves the buffers out, as in torch
+    2.13), buffers again before each forward unless ``forward_sync_buffers`` (without it,
+    ``broadcast_buffers``) is False.  A CPU module on a node with fewer than two cores per
+    local rank has its buckets all-reduced at the end of backward instead, where the progress
+    thread would only take cores from backward (see [Note: overlap] in csrc/reducer.c;
+    ``DPTC_DDP_OVERLAP=1`` or ``0`` decides instead).
 
     Supported: CPU modules, and modules on one CUDA device (``device_ids`` None or that
     device's index; their buckets live on the device and go through NCCL, see [Note: buckets
-    on a device] in csrc/reducer.c); ``bucket_cap_mb``; ``find_unused_parameters``;
-    ``gradient_as_bucket_view``; ``broadcast_buffers``; ``static_graph`` (as torch's: the
+    on a device] in csrc/reducer.c); ``bucket_cap_mb`` (0: a bucket per parameter after the
+    first backward, as torch's); ``find_unused_parameters``; ``gradient_as_bucket_view``;
+    ``forward_sync_buffers``/``broadcast_buffers``; ``static_graph`` (as torch's: the
     parameters unused in the first synced backward, and those a reentrant checkpoint reaches
     more than once, need no find_unused_parameters; see [Note: static graph] in
     csrc/reducer.c); ``no_sync()`` and ``require_backward_grad_sync``; ``register_comm_hook``
@@ -177,14 +182,14 @@ class DistributedDataParallel(nn.Module, Joinable):
     other than allreduce_hook and join().
     """
 
+    # torch 2.13's parameters, in its order: positional calls bind as under torch.
     def __init__(self, module, device_ids=None, output_device=None, dim=0,
-                 broadcast_buffers=True, process_group=None, bucket_cap_mb=None,
+                 broadcast_buffers=None, init_sync=True, process_group=None, bucket_cap_mb=None,
                  find_unused_parameters=False, check_reduction=False,
                  gradient_as_bucket_view=False, static_graph=False,
                  delay_all_reduce_named_params=None, param_to_hook_all_reduce=None,
                  mixed_precision=None, device_mesh=None, skip_all_reduce_unused_params=False,
-                 *, init_sync=True, bucket_cap_mb_list=None, batched_grad_copy=False,
-                 forward_sync_buffers=None):
+                 bucket_cap_mb_list=None, batched_grad_copy=False, forward_sync_buffers=None):
         super().__init__()
         Joinable.__init__(self)
         if not isinstance(module, nn.Module):
@@ -195,8 +200,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         if check_reduction:
             warnings.warn("The `check_reduction` argument in `DistributedDataParallel` module is "
                           "deprecated. Please avoid using it.", FutureWarning, stacklevel=2)
-        if forward_sync_buffers is not None:
-            broadcast_buffers = forward_sync_buffers
+        forward_sync_buffers, init_sync_buffers = _buffer_sync(broadcast_buffers,
+                                                               forward_sync_buffers)
 
         self.module = module
         group = device_mesh if device_mesh is not None else process_group
@@ -207,7 +212,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                              f"passed to DistributedDataParallel; only its members may wrap a "
                              f"module with it")
         self.dim = dim
-        self.broadcast_buffers = bool(broadcast_buffers)
+        self.forward_sync_buffers = bool(forward_sync_buffers)
         self.find_unused_parameters = bool(find_unused_parameters)
         self.gradient_as_bucket_view = bool(gradient_as_bucket_view)
         self.static_graph = bool(static_graph)
@@ -239,7 +244,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         codes = [dtype_code(p.dtype, f"parameter {name!r}") for p, name in zip(params, names)]
 
         if init_sync and self.process_group.size > 1:
-            self._sync_module_states(broadcast_buffers=self.broadcast_buffers)
+            self._sync_module_states(broadcast_buffers=init_sync_buffers)
 
         self._params = params
         self._param_names = names
@@ -295,6 +300,15 @@ class DistributedDataParallel(nn.Module, Joinable):
                     self.bucket_policy.first_bucket_bytes / _MB, self.process_group.size,
                     self.find_unused_parameters, self.gradient_as_bucket_view,
                     "during backward" if self._reducer.overlap else "at its end")
+
+    @property
+    def broadcast_buffers(self):
+        """torch's older name of forward_sync_buffers."""
+        return self.forward_sync_buffers
+
+    @broadcast_buffers.setter
+    def broadcast_buffers(self, value):
+        self.forward_sync_buffers = value
 
     # -- construction helpers ------------------------------------------------------------------
 
@@ -457,7 +471,7 @@ class DistributedDataParallel(nn.Module, Joinable):
     # -- per step --------------------------------------------------------------------------
 
     def will_sync_module_buffers(self):
-        return (self.require_forward_param_sync and self.broadcast_buffers
+        return (self.require_forward_param_sync and self.forward_sync_buffers
                 and any(True for _ in self._named_buffers()))
 
     def _sync_buffers(self, src=0):
@@ -633,7 +647,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._wait_join_works()
         self._authoritative_rank = self._find_common_rank(is_last_joiner)
         if self.process_group.size > 1:
-            self._sync_module_states(self.broadcast_buffers, src=self._authoritative_rank)
+            self._sync_module_states(self.forward_sync_buffers, src=self._authoritative_rank)
         # Every rank is here, at the end of the context: forward stops notifying, together.
         # (torch's DDP goes on notifying after its join context, so a forward that only some
         # ranks run there waits for the others.)
@@ -742,6 +756,29 @@ def _note_sparse(ddp):
 def _remove_hooks(handles):
     for handle in handles:
         handle.remove()
+
+
+def _buffer_sync(broadcast_buffers, forward_sync_buffers):
+    """(forward_sync_buffers, init_sync_buffers), as torch 2.13 reads its arguments: buffers
+    are broadcast at construction (with init_sync) unless the deprecated
+    broadcast_buffers=False alone says otherwise; forward_sync_buffers, when given, decides
+    the per-forward broadcast and broadcast_buffers is ignored.  The warnings are torch's."""
+    if broadcast_buffers is not None:
+        if forward_sync_buffers is not None:
+            warnings.warn("Both `broadcast_buffers` and `forward_sync_buffers` were specified. "
+                          "`broadcast_buffers` is deprecated and its value is ignored when "
+                          "`forward_sync_buffers` is provided.", FutureWarning, stacklevel=3)
+        else:
+            warnings.warn("`broadcast_buffers` is deprecated. Use `forward_sync_buffers` "
+                          "instead. IMPORTANT: unlike `broadcast_buffers=False`, "
+                          "`forward_sync_buffers=False` still syncs buffers at init. If you "
+                          "rely on buffers NOT being synced at init (e.g. rank-local buffers), "
+                          "keep using `broadcast_buffers=False` until `init_sync_buffers` is "
+                          "available.", FutureWarning, stacklevel=3)
+    if forward_sync_buffers is not None:
+        return forward_sync_buffers, True
+    effective = broadcast_buffers if broadcast_buffers is not None else True
+    return effective, effective
 
 
 def _check_unsupported(delay_all_reduce_named_params, param_to_hook_all_reduce,

@@ -215,10 +215,31 @@ def _init_torch(timeout, explicit):
                                  f"WORLD_SIZE, MASTER_ADDR and MASTER_PORT")
         dist.init_process_group("gloo", timeout=delta, **_restart_store(delta))
     else:
+        _check_single_process()
         # A plain `python script.py`: one rank.
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=delta)
     _owns_torch_group = True
+
+
+def _check_single_process():
+    """Refuses to make a world of one rank where the environment shows part of a multi-process
+    launch (torch.multiprocessing.spawn sets no RANK or WORLD_SIZE, but its tutorials set
+    MASTER_ADDR and MASTER_PORT): every process would train alone, its gradients never
+    averaged.  torch's DDP raises "Default process group has not been initialized" there."""
+    present = [name for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+               if name in os.environ]
+    if not present:
+        return
+    missing = [name for name in ("RANK", "WORLD_SIZE") if name not in os.environ]
+    raise ValueError(
+        f"the default process group has not been initialized, and {' and '.join(present)} "
+        f"{'is' if len(present) == 1 else 'are'} set without {' and '.join(missing)}, as in a "
+        f"torch.multiprocessing.spawn launch; dptc will not make each process a world of its "
+        f"own there.  Call dptc.init_process_group(backend, rank=..., world_size=...) or "
+        f"torch.distributed.init_process_group(backend, rank=..., world_size=...) in each "
+        f"process first, or launch with torchrun (a plain `python script.py`, without these "
+        f"variables, runs as one rank)")
 
 
 def _restart_attempt():

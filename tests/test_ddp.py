@@ -69,11 +69,12 @@ TOLERANCES = {
 ALL_SCENARIOS = [
     "default", "tiny_buckets", "bucket_view", "no_sync", "sync_attribute", "unused_global",
     "rank_branch", "rank_extra_head", "tied_gpt", "frozen", "channels_last", "odd_sizes",
-    "rank_init", "buffers", "static_unused", "set_static_unused", "static_rank_branch",
-    "static_no_sync", "static_bucket_view", "static_reentrant_twice", "reentrant_head",
-    "reentrant_head_unused", "penalty", "static_penalty", "autocast_bf16", "amp_scaler",
-    "hook_allreduce", "hook_fp16", "hook_bf16", "hook_allreduce_own", "hook_fp16_own",
-    "hook_bf16_own", "sparse", "sparse_no_sync", "sparse_only", "sparse_rank_unused",
+    "zero_cap", "rank_init", "buffers", "static_unused", "set_static_unused",
+    "static_rank_branch", "static_no_sync", "static_bucket_view", "static_reentrant_twice",
+    "reentrant_head", "reentrant_head_unused", "penalty", "static_penalty", "autocast_bf16",
+    "amp_scaler", "hook_allreduce", "hook_fp16", "hook_bf16", "hook_allreduce_own",
+    "hook_fp16_own", "hook_bf16_own", "sparse", "sparse_no_sync", "sparse_only",
+    "sparse_rank_unused",
 ]
 
 
@@ -106,9 +107,9 @@ GROUPS = {
                          "static_no_sync", "static_bucket_view", "static_reentrant_twice",
                          "reentrant_head", "reentrant_head_unused", "penalty",
                          "static_penalty")),
-    "b": Group(2, False, ("frozen", "channels_last", "odd_sizes", "rank_init", "buffers",
-                          "autocast_bf16", "amp_scaler", "hook_allreduce", "hook_fp16",
-                          "hook_bf16",
+    "b": Group(2, False, ("frozen", "channels_last", "odd_sizes", "zero_cap", "rank_init",
+                          "buffers", "autocast_bf16", "amp_scaler", "hook_allreduce",
+                          "hook_fp16", "hook_bf16",
                           "hook_allreduce_own", "hook_fp16_own", "hook_bf16_own")),
     # Last in torch's launch of 2 ranks: see BEYOND_TORCH.
     "sparse": Group(2, True, ("sparse", "sparse_no_sync", "sparse_only",
@@ -246,6 +247,47 @@ def test_buffers_follow_rank0(impl):
             f"{result['eval_buffer_ref_rel']:.3e}")
         assert result["buffers"] == per_rank[0]["buffers"], (
             f"rank {rank}: buffers differ from rank 0's after the eval forward")
+
+
+# Per case of workers_ddp.BUFFER_SYNC_CASES, which broadcasts from rank 0 happen under torch
+# 2.13's reading of the arguments: (parameters at construction, buffers at construction,
+# buffers at forward).  init_sync decides the construction's broadcast and forward_sync_buffers
+# the forward's; the deprecated broadcast_buffers, given alone, decides both for the buffers,
+# and is ignored next to forward_sync_buffers.
+BUFFER_SYNCS = {
+    "default": (True, True, True),
+    "forward_sync_off": (True, True, False),
+    "forward_sync_on": (True, True, True),
+    "broadcast_off": (True, False, False),
+    "broadcast_on": (True, True, True),
+    "broadcast_off_forward_sync_on": (True, True, True),
+    "broadcast_on_forward_sync_off": (True, True, False),
+    "no_init_sync": (False, False, True),
+    "positional_no_init_sync": (False, False, True),
+    "positional_broadcast_off": (True, False, False),
+    "attribute_off": (True, True, False),
+}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_buffer_broadcasts_follow_torchs_arguments(impl):
+    """Each rank starts with its own weight and buffer (1 + rank), then, after construction,
+    its own buffer again (10 + rank) before an eval forward: a value of 1 (10) on every rank
+    means rank 0's was broadcast.  Both implementations match BUFFER_SYNCS, and so each
+    other."""
+    per_rank = run_ranks("tests.workers_ddp:buffer_sync_cases", 2, args={"impl": impl},
+                         timeout=LAUNCH_TIMEOUT_S, reference=impl == "torch")
+    problems = []
+    for name, (params, buffers, forward) in BUFFER_SYNCS.items():
+        for rank, results in enumerate(per_rank):
+            got = results[name]
+            expected = {"weight": 1.0 + (0 if params else rank),
+                        "buffer": 1.0 + (0 if buffers else rank),
+                        "forward_buffer": 10.0 + (0 if forward else rank),
+                        "forward_sync_buffers": forward, "broadcast_buffers": forward}
+            if got != expected:
+                problems.append(f"{name}, rank {rank}: {got}, expected {expected}")
+    assert not problems, "\n".join(problems)
 
 
 @pytest.mark.parametrize("impl", IMPLS)

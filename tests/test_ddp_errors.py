@@ -6,7 +6,8 @@ Layers:
 - two ranks: a parameter without a gradient (on every rank, or on one rank only) must raise a
   RuntimeError naming the parameter and find_unused_parameters=True on every rank, quickly
   (well under DPTC_TIMEOUT), not hang; a backward pass interrupted on one rank must make every
-  rank raise too.
+  rank raise too; processes of a launch that never initialised a process group
+  (torch.multiprocessing.spawn's environment) must raise ValueError, as under torch.
 
 The rank-side bodies are the functions at the bottom of this file (run by tests/_rank.py).
 """
@@ -29,16 +30,47 @@ RUN_TIMEOUT_S = 120
 # ---------------------------------------------------------------------------------------------
 # Layer 1: no process group
 
+def test_constructor_signature_is_torchs():
+    """torch 2.13's parameters, names, kinds and defaults, in its order: a positional call
+    (``DDP(m, None, None, 0, None, False)``, init_sync sixth) binds as under torch."""
+    import inspect
+
+    import dptc
+
+    def parameters(cls):
+        return [(p.name, p.kind, p.default)
+                for p in inspect.signature(cls.__init__).parameters.values()]
+    assert parameters(dptc.DistributedDataParallel) == \
+        parameters(torch.nn.parallel.DistributedDataParallel)
+
+
 def test_bucket_policy_validates_bucket_cap_mb():
     from dptc.ddp import BucketPolicy
-    for bad in (0, -1, -0.5, float("nan"), float("inf")):
-        with pytest.raises(ValueError, match="bucket_cap_mb must be > 0"):
+    for bad in (-1, -0.5, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="bucket_cap_mb must be >= 0"):
             BucketPolicy.create(bad)
     for bad in ("25", True, [25]):
         with pytest.raises(TypeError, match="bucket_cap_mb"):
             BucketPolicy.create(bad)
     with pytest.raises(ValueError, match="bucket_cap_mb_list entry"):
-        BucketPolicy.create(None, [1, 0])
+        BucketPolicy.create(None, [1, -1])
+
+
+def test_zero_bucket_cap_is_a_bucket_per_parameter_as_torchs():
+    """bucket_cap_mb=0, which torch's DDP trains with: every parameter (a zero-size one too)
+    closes its bucket, in torch's bucket assignment as in dptc's."""
+    import torch.distributed as dist
+
+    from dptc.ddp import BucketPolicy, assign_buckets
+    tensors = [torch.zeros(10), torch.zeros(0), torch.zeros(20),
+               torch.zeros(3, dtype=torch.float64)]
+    order = [3, 2, 1, 0]
+    policy = BucketPolicy.create(0)
+    assert (policy.limit(0), policy.limit(1)) == (0, 0)
+    theirs, _ = dist._compute_bucket_assignment_by_size(tensors, [0], [False] * 4, order)
+    mine = assign_buckets([t.numel() * t.element_size() for t in tensors],
+                          [t.dtype for t in tensors], order, policy)
+    assert mine == theirs == [[3], [2], [1], [0]]
 
 
 def test_bucket_policy_first_bucket_is_small_only_by_default():
@@ -89,8 +121,7 @@ def test_first_buckets_are_torchs():
 def test_constructor_validation():
     results = run_ranks("tests.test_ddp_errors:validation_cases", 1, timeout=RUN_TIMEOUT_S)[0]
     expected = {
-        "bucket_cap_mb_zero": ("ValueError", "bucket_cap_mb must be > 0, got 0"),
-        "bucket_cap_mb_negative": ("ValueError", "bucket_cap_mb must be > 0, got -5"),
+        "bucket_cap_mb_negative": ("ValueError", "bucket_cap_mb must be >= 0, got -5"),
         "bucket_cap_mb_string": ("TypeError", "bucket_cap_mb"),
         "device_ids_on_cpu": ("ValueError", "device_ids"),
         "output_device_on_cpu": ("ValueError", "output_device"),
@@ -109,6 +140,11 @@ def test_constructor_validation():
         "comm_hook_twice": ("RuntimeError", "only be called once"),
         "comm_hook_foreign_state": ("TypeError", "state"),
         "check_reduction_warns": ("FutureWarning", "check_reduction"),
+        # torch 2.13's deprecation warnings, word for word.
+        "broadcast_buffers_warns": ("FutureWarning", "`broadcast_buffers` is deprecated. Use "
+                                                     "`forward_sync_buffers` instead."),
+        "both_buffer_flags_warn": ("FutureWarning", "Both `broadcast_buffers` and "
+                                                    "`forward_sync_buffers` were specified."),
         "sparse_comm_hook": ("NotImplementedError", "sparse=True"),
         "sparse_join": ("NotImplementedError", "sparse=True"),
         "converted_after_wrapping": ("RuntimeError", "before wrapping"),
@@ -128,7 +164,8 @@ def test_constructor_validation():
     # Accepted as torch accepts them.
     for case in ("static_graph", "skip_all_reduce_unused_params", "torch_default_group",
                  "torch_hooks_by_identity", "bucket_cap_mb_list", "init_sync_false",
-                 "builtin_comm_hooks", "sparse_only", "sparse_allreduce_hook"):
+                 "builtin_comm_hooks", "sparse_only", "sparse_allreduce_hook",
+                 "bucket_cap_mb_zero", "forward_sync_buffers_quiet"):
         assert results[case] == {"type": None, "message": ""}, (case, results[case])
 
 
@@ -209,6 +246,25 @@ def test_dense_gradient_of_a_sparse_parameter_raises_everywhere():
         assert "dense gradient" in outcome["message"], (rank, outcome)
         assert (outcome["step"], outcome["phase"]) == (0, "backward"), (rank, outcome)
         assert outcome["seconds"] < FAST_S, (rank, outcome)
+
+
+@pytest.mark.parametrize("impl", ["dptc", "torch"])
+def test_spawned_processes_without_init_raise(impl):
+    """Processes started as torch.multiprocessing.spawn starts them (MASTER_ADDR and
+    MASTER_PORT set by the script, no RANK, WORLD_SIZE or torchrun's other variables) by a
+    script that never initialised a process group: the wrapper raises ValueError, as torch's
+    does ("Default process group has not been initialized"), where each process used to become
+    a world of one rank that trains alone; dptc's message says what to call."""
+    unset = {name: None for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                                     "GROUP_RANK")}
+    results = run_ranks("tests.test_ddp_errors:spawned_without_init_case", 2,
+                        args={"impl": impl}, env=unset, timeout=RUN_TIMEOUT_S,
+                        reference=impl == "torch")
+    for rank, outcome in enumerate(results):
+        assert outcome["type"] == "ValueError", (rank, outcome)
+        if impl == "dptc":
+            assert "dptc.init_process_group(backend, rank=..., world_size=...)" in \
+                outcome["message"], (rank, outcome)
 
 
 def test_interrupted_backward_raises_everywhere():
@@ -309,6 +365,13 @@ def validation_cases():
             warnings.simplefilter("error")
             DDP(model(), check_reduction=True)
 
+    def warns_with(**kwargs):
+        def case():
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                DDP(model(), **kwargs)
+        return case
+
     def torch_hooks():
         for hook in (default_hooks.allreduce_hook, default_hooks.fp16_compress_hook,
                      default_hooks.bf16_compress_hook):
@@ -350,6 +413,9 @@ def validation_cases():
         "comm_hook_foreign_state": lambda: DDP(model()).register_comm_hook(
             "not a group", dptc.comm_hooks.allreduce_hook),
         "check_reduction_warns": check_reduction,
+        "broadcast_buffers_warns": warns_with(broadcast_buffers=True),
+        "both_buffer_flags_warn": warns_with(broadcast_buffers=True, forward_sync_buffers=False),
+        "forward_sync_buffers_quiet": warns_with(forward_sync_buffers=False),
         "sparse_only": lambda: DDP(nn.Embedding(10, 4, sparse=True)),
         "sparse_allreduce_hook": lambda: DDP(nn.Embedding(10, 4, sparse=True)).register_comm_hook(
             None, dptc.comm_hooks.allreduce_hook),
@@ -377,6 +443,17 @@ def validation_cases():
             results[name] = {"type": type(error).__name__, "message": str(error)}
     _finish()
     return results
+
+
+def spawned_without_init_case(impl):
+    """Wraps a module without initialising a process group; returns what was raised, or the
+    wrapper's world size."""
+    try:
+        ddp = _ddp_class(impl)(nn.Linear(2, 2))
+    except Exception as error:  # noqa: BLE001 - the error is the result
+        return _describe(error)
+    return {"type": None, "world_size": torch.distributed.get_world_size(),
+            "rank": torch.distributed.get_rank(), "module": type(ddp.module).__name__}
 
 
 def lifecycle_case():

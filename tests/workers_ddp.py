@@ -43,7 +43,8 @@ from tests._rank import load_impl, start_clock
 # The tiny GPT comes from the example, so the tests exercise the model the project ships.
 from examples.gpt import GPT, build_gpt
 
-__all__ = ["SCENARIOS", "train_cases", "missing_grad_case"]
+__all__ = ["SCENARIOS", "BUFFER_SYNC_CASES", "train_cases", "missing_grad_case",
+           "buffer_sync_cases"]
 
 SEED = 1234
 # Adam normalises every gradient element, so rounding noise (the all-reduce sums in another
@@ -313,6 +314,8 @@ class Scenario:
 SCENARIOS = {
     "default": Scenario(MLP),
     "tiny_buckets": Scenario(MLP, ddp_kwargs={"bucket_cap_mb": 0.001}),
+    # A bucket per parameter once rebuilt, the zero-size one too, as torch's.
+    "zero_cap": Scenario(OddSizes, batch=odd_batch, ddp_kwargs={"bucket_cap_mb": 0}),
     "bucket_view": Scenario(MLP, ddp_kwargs={"gradient_as_bucket_view": True}),
     "no_sync": Scenario(MLP, micro_steps=3),
     "sync_attribute": Scenario(MLP, micro_steps=3, accumulate="attribute"),
@@ -668,3 +671,56 @@ def missing_grad_case(impl, init_torch=True, steps=3):
             break
     _finish(impl)
     return outcome
+
+
+# Constructor arguments that decide which broadcasts the buffers get: (positional arguments
+# after the module, keyword arguments, a value set to ddp.broadcast_buffers after construction).
+BUFFER_SYNC_CASES = {
+    "default": ((), {}, None),
+    "forward_sync_off": ((), {"forward_sync_buffers": False}, None),
+    "forward_sync_on": ((), {"forward_sync_buffers": True}, None),
+    "broadcast_off": ((), {"broadcast_buffers": False}, None),
+    "broadcast_on": ((), {"broadcast_buffers": True}, None),
+    "broadcast_off_forward_sync_on": ((), {"broadcast_buffers": False,
+                                           "forward_sync_buffers": True}, None),
+    "broadcast_on_forward_sync_off": ((), {"broadcast_buffers": True,
+                                           "forward_sync_buffers": False}, None),
+    "no_init_sync": ((), {"init_sync": False}, None),
+    # torch 2.13's positional order: device_ids, output_device, dim, broadcast_buffers,
+    # init_sync.
+    "positional_no_init_sync": ((None, None, 0, None, False), {}, None),
+    "positional_broadcast_off": ((None, None, 0, False, True), {}, None),
+    "attribute_off": ((), {}, False),
+}
+
+
+def buffer_sync_cases(impl):
+    """Per case of BUFFER_SYNC_CASES, on a BatchNorm1d whose weight and running_var are
+    1 + rank: the weight and running_var right after construction, running_var after one eval
+    forward that began at 10 + rank, and the wrapper's forward_sync_buffers and
+    broadcast_buffers."""
+    import warnings
+    rank = int(os.environ["RANK"])
+    _start(impl, init_torch=False)
+    wrapper = _wrapper_class(impl)
+    results = {}
+    for name, (args, kwargs, attribute) in BUFFER_SYNC_CASES.items():
+        layer = nn.BatchNorm1d(2)
+        with torch.no_grad():
+            layer.weight.fill_(1 + rank)
+            layer.running_var.fill_(1 + rank)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # broadcast_buffers is deprecated
+            ddp = wrapper(layer, *args, **kwargs)
+        if attribute is not None:
+            ddp.broadcast_buffers = attribute
+        result = {"weight": layer.weight[0].item(), "buffer": layer.running_var[0].item()}
+        with torch.no_grad():
+            layer.running_var.fill_(10 + rank)
+            ddp.eval()(torch.zeros(3, 2))
+        result.update(forward_buffer=layer.running_var[0].item(),
+                      forward_sync_buffers=ddp.forward_sync_buffers,
+                      broadcast_buffers=ddp.broadcast_buffers)
+        results[name] = result
+    _finish(impl)
+    return results
