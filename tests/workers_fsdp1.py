@@ -814,3 +814,21 @@ def comm_hook_case(impl):
         dptc.destroy_process_group()
     dist.destroy_process_group()
     return out
+
+
+def meta_init_case(impl):
+    """A GPT built on the meta device, wrapped by a transformer auto wrap policy with no
+    param_init_fn: FSDP1 materialises it and calls each module's reset_parameters().  Returns
+    the full parameters (float64 lists) on rank 0's side, for comparing the two
+    implementations' initialisation orders."""
+    api, FSDP = _api(impl)
+    with torch.device("meta"):
+        model = build_meta()
+    torch.manual_seed(7)
+    wrapped = _wrap(impl, model, "FULL_SHARD")
+    with FSDP.summon_full_params(wrapped, writeback=False):
+        params = {name.replace("_fsdp_wrapped_module.", ""): p.detach().double().flatten().tolist()
+                  for name, p in wrapped.named_parameters()}
+    if impl == "dptc":
+        api.destroy_process_group()
+    return params

@@ -13,6 +13,7 @@ Parameters keep their names as FSDP1 users see them: state-dict keys drop the
 every parameter is a DTensor shard, as under fully_shard.
 """
 
+import collections
 import contextlib
 import warnings
 
@@ -185,7 +186,11 @@ class FullyShardedDataParallel(nn.Module):
                 ignored_params.update(ignored.parameters())
             else:
                 ignored_params.add(ignored)
-        self._materialize(module, param_init_fn, device)
+        targets = {} if auto_wrap_policy is None else {
+            target: overrides for target, overrides in
+            policy_targets(module, auto_wrap_policy, ignored_params).items()
+            if not any(p in ignored_params for p in target.parameters(recurse=False))}
+        self._materialize(module, param_init_fn, device, list(targets))
         if device.type == "cuda":
             module.to(device)             # as torch's, for a module given with device_id
         if sync_module_states:
@@ -208,13 +213,10 @@ class FullyShardedDataParallel(nn.Module):
                       mixed_precision=mixed_precision, device_id=device_id,
                       forward_prefetch=forward_prefetch, limit_all_gathers=limit_all_gathers,
                       use_orig_params=use_orig_params, _root=False, _mesh=mesh)
-        if auto_wrap_policy is not None:
-            targets = policy_targets(module, auto_wrap_policy, ignored_params)
+        if targets:
             parents = {child: (parent, name) for parent in module.modules()
                        for name, child in parent.named_children()}
             for target, overrides in targets.items():
-                if any(p in ignored_params for p in target.parameters(recurse=False)):
-                    continue
                 kwargs = {**nested, **overrides}
                 if {"sharding_strategy", "process_group", "device_mesh"} & overrides.keys():
                     kwargs.pop("_mesh")
@@ -244,11 +246,26 @@ class FullyShardedDataParallel(nn.Module):
     # -- construction helpers -----------------------------------------------------------------
 
     @staticmethod
-    def _materialize(module, param_init_fn, device):
+    def _materialize(module, param_init_fn, device, nested=()):
         """Modules still on the meta device (those nested instances did not take) get
         param_init_fn(m), one module at a time as torch calls it, or else to_empty on `device`
-        and their own reset_parameters()."""
-        pending = [m for m in module.modules()
+        and their own reset_parameters().  In torch's order, so that the same seed gives the
+        same values: the modules of each instance the auto wrap policy will make (`nested`,
+        children first, as torch's auto wrap constructs them), then the rest, each
+        instance's breadth-first and stopping at the instances below it."""
+        order, placed = [], set()
+        for top in list(nested) + [module]:
+            queue = collections.deque([top])
+            while queue:
+                current = queue.popleft()
+                if current in placed:
+                    continue
+                placed.add(current)
+                order.append(current)
+                queue.extend(child for child in current.children()
+                             if child not in placed and
+                             not isinstance(child, FullyShardedDataParallel))
+        pending = [m for m in order
                    if any(t.is_meta for t in list(m.parameters(recurse=False)) +
                           list(m.buffers(recurse=False)))]
         for sub in pending:
