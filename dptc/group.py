@@ -547,7 +547,11 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
     """
     global _default, _generation, _world_nodes
     if _default is not None:
-        return _default
+        if dist.is_initialized():
+            return _default
+        # torch.distributed's default group, which dptc's builds on, was destroyed under it
+        # (torch's destroy_process_group in a script set up with dptc's init): start again.
+        destroy_process_group()
     if backend not in (None, "dptc", "gloo", "cpu:gloo"):
         raise ValueError(f"backend must be None, 'dptc' or 'gloo', got {backend!r}; dptc "
                          f"moves CPU bytes itself and uses gloo only between nodes")

@@ -50,6 +50,16 @@ def test_init_destroy_and_reinit(use_torch_init):
         assert r["torch_initialized_at_end"] is True
 
 
+def test_reinit_after_torch_destroy():
+    """A script that sets up with dptc.init_process_group and cleans up with torch's
+    destroy_process_group, in a loop (torch's DDP tutorial's setup/cleanup): each init makes
+    a working group again, with torch.distributed up beside it (it used to return the stale
+    group, torch.distributed left destroyed)."""
+    results = run_ranks("tests.workers_group:reinit_after_torch_destroy", 2, timeout=90)
+    for rank, sums in enumerate(results):
+        assert sums == [[3.0, 1, True]] * 3, (rank, sums)
+
+
 def test_work_wait_accepts_timedelta():
     results = run_ranks("tests.workers_group:wait_with_timedelta", 2, timeout=60)
     assert results == [[True, True, 2.0]] * 2

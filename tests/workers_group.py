@@ -64,3 +64,20 @@ def single_process():
     out = torch.empty(6)
     dptc.all_gather_into_tensor(out, t)
     return [dptc.get_world_size(), t.tolist(), out.tolist()]
+
+
+def reinit_after_torch_destroy():
+    """dptc's init, torch's destroy (a tutorial's cleanup()), dptc's init again: a working
+    dptc group over a working torch.distributed, twice."""
+    import torch.distributed as dist
+    import dptc
+    sums = []
+    for _ in range(3):
+        dptc.init_process_group("gloo")
+        t = torch.full((3,), float(dptc.get_rank() + 1))
+        dptc.all_reduce(t)
+        box = [dptc.get_rank()]
+        dist.broadcast_object_list(box, src=1)
+        sums.append([t[0].item(), box[0], dist.is_initialized()])
+        dist.destroy_process_group()
+    return sums
