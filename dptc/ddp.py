@@ -245,7 +245,12 @@ class DistributedDataParallel(nn.Module, Joinable):
 
         if init_sync and self.process_group.size > 1:
             self._sync_module_states(broadcast_buffers=init_sync_buffers)
+        self._build_reducer(params, names, sparse_params, sparse_names, codes)
 
+    def _build_reducer(self, params, names, sparse_params, sparse_names, codes):
+        """The per-step machinery over the parameters: the C reducer, its first buckets and
+        hooks (at construction, and again after unpickling or copy.deepcopy)."""
+        cuda = self.device_type == "cuda"
         self._params = params
         self._param_names = names
         self._sparse_params = sparse_params
@@ -295,11 +300,33 @@ class DistributedDataParallel(nn.Module, Joinable):
                     "gradients in %d buckets (cap %.2f MiB, first %.2f MiB), world size %d, "
                     "find_unused_parameters=%s, gradient_as_bucket_view=%s, buckets launched "
                     "%s",
-                    type(module).__name__, len(params), total / _MB, len(self._buckets),
+                    type(self.module).__name__, len(params), total / _MB, len(self._buckets),
                     self.bucket_policy.bucket_bytes / _MB,
                     self.bucket_policy.first_bucket_bytes / _MB, self.process_group.size,
                     self.find_unused_parameters, self.gradient_as_bucket_view,
                     "during backward" if self._reducer.overlap else "at its end")
+
+    # Pickling and copy.deepcopy, as torch's: over the default group only; the copy gets a
+    # reducer of its own, with the first buckets and no comm hook, over the default group.
+    _UNPICKLED = ("process_group", "_reducer", "_buckets", "_assignment", "_used_map",
+                  "_join_works", "_params", "_param_names", "_sparse_params", "_sparse_names")
+
+    def __getstate__(self):
+        if self.process_group is not default_group():
+            raise RuntimeError("DistributedDataParallel can be pickled or deep-copied only over "
+                               "the default process group, as torch's; this one wraps its "
+                               "module over a group of its own")
+        state = dict(self.__dict__)
+        for name in self._UNPICKLED:
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self.process_group = default_group()
+        (params, names), (sparse_params, sparse_names) = self._parameters_to_reduce()
+        codes = [dtype_code(p.dtype, f"parameter {name!r}") for p, name in zip(params, names)]
+        self._build_reducer(params, names, sparse_params, sparse_names, codes)
 
     @property
     def broadcast_buffers(self):

@@ -290,6 +290,23 @@ def test_buffer_broadcasts_follow_torchs_arguments(impl):
     assert not problems, "\n".join(problems)
 
 
+def test_deepcopy_and_pickle_as_torchs():
+    """copy.deepcopy(ddp) (an EMA copy) and torch.save/torch.load of a wrapper give wrappers
+    that train over the default group on their own, 2 ranks: after the same 3 steps every
+    copy holds the original's parameters, and torch's DDP's to the bit.  Over another group
+    it raises, as torch's does."""
+    mine = run_ranks("tests.workers_ddp:copied_wrappers", 2, args={"impl": "dptc"},
+                     timeout=LAUNCH_TIMEOUT_S)
+    theirs = run_ranks("tests.workers_ddp:copied_wrappers", 2, args={"impl": "torch"},
+                       timeout=LAUNCH_TIMEOUT_S, reference=True)
+    for rank, (result, reference) in enumerate(zip(mine, theirs)):
+        assert result["types"] == ["DistributedDataParallel"] * 2, result["types"]
+        for name in ("original", "copied", "loaded"):
+            assert result[name] == reference[name], (rank, name)
+            assert result[name] == result["original"], (rank, name)
+        assert "default process group" in result["subgroup_error"], result["subgroup_error"]
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_wrapper_surface(impl):
     """.module is the wrapped module; state_dict keys are the module's with a "module." prefix,

@@ -724,3 +724,41 @@ def buffer_sync_cases(impl):
         results[name] = result
     _finish(impl)
     return results
+
+
+def copied_wrappers(impl):
+    """copy.deepcopy of a DDP wrapper (an EMA copy) and a torch.save / torch.load round trip
+    of one: each copy trains as a DDP of its own (3 SGD steps on rank-dependent data) next to
+    the original.  Returns every model's parameters after training, and what pickling a
+    wrapper over a subgroup raised."""
+    import copy
+    import io
+    rank = int(os.environ["RANK"])
+    _start(impl, init_torch=False)
+    wrapper = _wrapper_class(impl)
+    torch.manual_seed(SEED)
+    original = wrapper(nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 1)))
+    copied = copy.deepcopy(original)
+    buffer = io.BytesIO()
+    torch.save(original, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    results = {"types": [type(m).__name__ for m in (copied, loaded)]}
+    for name, model in (("original", original), ("copied", copied), ("loaded", loaded)):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):
+            x = torch.randn(6, 4, generator=torch.Generator().manual_seed(step * 10 + rank))
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        results[name] = [p.detach().flatten().tolist() for p in model.parameters()]
+    if impl == "dptc":
+        import dptc
+        sub = wrapper(nn.Linear(2, 2), process_group=dptc.new_group([0, 1]))
+        try:
+            copy.deepcopy(sub)
+            results["subgroup_error"] = None
+        except RuntimeError as error:
+            results["subgroup_error"] = str(error)
+    _finish(impl)
+    return results
