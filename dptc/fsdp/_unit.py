@@ -733,12 +733,7 @@ class Unit:
             for p in bucket.params:
                 if p.unsharded.grad is None or p.unsharded.grad.dtype == bucket.reduce_dtype:
                     continue
-                grad = p.unsharded_grad()
-                if p.accumulated is None:
-                    p.accumulated = grad.to(bucket.reduce_dtype)
-                else:
-                    p.accumulated.add_(grad)
-                p.unsharded.grad = None
+                p.accumulated = self._take_grad(p).to(bucket.reduce_dtype)
 
     def _take_grad(self, p):
         """p's gradient to reduce, its accumulator included, or None; clears both."""
@@ -777,8 +772,9 @@ class Unit:
             had = [grad is not None or unused for grad in taken]
             if not any(had):
                 continue
-            # One dtype for the layout (_chunk_cat takes no mix): autograd's (the compute
-            # dtype), unless an accumulator or a missing gradient brings the reduce dtype in.
+            # One dtype for the layout (_chunk_cat takes no mix): the gradients' own (the
+            # compute dtype), or the reduce dtype where they come in two (an accumulator
+            # beside autograd's) or none came (unused).
             dtypes = {grad.dtype for grad in taken if grad is not None}
             common = dtypes.pop() if len(dtypes) == 1 else bucket.reduce_dtype
             grads = []
