@@ -344,6 +344,23 @@ def test_shared_inputs_skip_the_staging_slots():
 HOOK_TOLERANCE = 1e-5   # float32: the ranks sum in another order than the reference
 
 
+def test_frozen_parameters_left_out_of_the_reduction():
+    """Frozen parameters (block 0's attention, the position embedding in the root's unit) are
+    not reduce-scattered, as under torch's fully_shard: every unit's reduce-scatter output,
+    which ``set_all_reduce_hook`` sees, has torch's numel, smaller than the unit's whole
+    shard where it holds frozen parameters; training equals the single process's and the
+    frozen parameters get no gradient (tests/workers_fsdp.py frozen_reduce_case, 2 ranks)."""
+    runs = {impl: run_ranks("tests.workers_fsdp:frozen_reduce_case", 2, args={"impl": impl},
+                            timeout=LAUNCH_TIMEOUT_S, reference=impl == "torch")
+            for impl in ("torch", "dptc")}
+    for mine, theirs in zip(runs["dptc"], runs["torch"]):
+        assert mine["numels"] == theirs["numels"], (mine["numels"], theirs["numels"])
+        assert len(mine["numels"]) == 3, mine   # 2 blocks, then the root
+        for run in (mine, theirs):
+            assert run["param_rel"] <= 1e-9, run   # float64
+            assert run["frozen_without_grad"], run
+
+
 def test_all_reduce_hook_and_force_sum():
     """``set_all_reduce_hook`` and ``set_force_sum_reduction_for_comms`` on every unit, against
     torch's fully_shard (gloo) with the same calls and the single-process reference (float32

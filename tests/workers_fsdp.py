@@ -29,7 +29,7 @@ from examples.gpt import build_gpt
 from tests._rank import load_impl
 
 __all__ = ["train_cases", "memory_case", "methods_case", "staging_case", "ring_case",
-           "all_reduce_hook_case", "max_rel"]
+           "all_reduce_hook_case", "frozen_reduce_case", "max_rel"]
 
 SEED = 4321
 LR = 1e-3
@@ -637,6 +637,47 @@ def unused_branch_case(impl):
 
 
 HOOK_MODES = ("record", "force_sum", "double")
+
+
+def frozen_reduce_case(impl):
+    """The float64 GPT with block 0's attention and the position embedding (in the root's
+    unit) frozen, every unit sharded with ``set_all_reduce_hook`` recording the numel of
+    what each reduce-scatter produced; two steps of AdamW.  Returns the numels of the first
+    backward, the largest relative difference of the parameters from the single-process
+    reference's after the two steps, and whether every frozen parameter kept no gradient."""
+    api = load_impl(impl)
+    rank, world = api.get_rank(), api.get_world_size()
+    if impl == "dptc":
+        import dptc as fsdp
+    else:
+        import torch.distributed.fsdp as fsdp
+    mine = slice(rank * ROWS_PER_RANK, (rank + 1) * ROWS_PER_RANK)
+    model, ref = _build("gpt", torch.float64), _build("gpt", torch.float64)
+    for m in (model, ref):
+        m.blocks[0].attn.requires_grad_(False)
+        m.pos_emb.requires_grad_(False)
+    numels = []
+    for module in _units(model):
+        fsdp.fully_shard(module)
+        module.set_all_reduce_hook(lambda output: numels.append(output.numel()))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=LR)
+    generator = torch.Generator().manual_seed(SEED + 13)
+    first = None
+    for step in range(2):
+        x, y = _batch("gpt", step, 0, world, generator)
+        _loss(model, "gpt", x[mine], y[mine]).backward()
+        _loss(ref, "gpt", x, y).backward()
+        first = list(numels) if first is None else first
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    out = {"numels": first,
+           "param_rel": max_rel([_full(p.detach()) for p in model.parameters()],
+                                [p.detach() for p in ref.parameters()]),
+           "frozen_without_grad": all(p.grad is None for p in model.parameters()
+                                      if not p.requires_grad)}
+    _finish(impl)
+    return out
 
 
 def all_reduce_hook_case(impl):

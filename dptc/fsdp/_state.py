@@ -336,6 +336,7 @@ class State:
                     except Exception:  # the failed iteration's gradients are discarded
                         pass
                     bucket.reduce_output = bucket.reduce_had_grad = None
+                    bucket.reduce_offsets = None
                     bucket.partial = bucket.partial_had = None
                 state.unit.reshard()
                 state.unit.reset_ready()

@@ -119,12 +119,12 @@ class _Param:
         self.padded.untyped_storage().resize_(0)
         self.assembled = True
 
-    def lay_out_gradient(self, grad, source):
-        """Writes grad (full shape) into its piece of every rank's row of source (size x
-        numel), zeroing the padding, as _chunk_cat does."""
+    def lay_out_gradient(self, grad, source, offset):
+        """Writes grad (full shape) into its piece, at offset, of every rank's row of source
+        (size x numel), zeroing the padding, as _chunk_cat does."""
         for r in range(self.size):
             used = self.rank_rows(r) * self.row_numel
-            piece = source[r, self.offset:self.offset + self.piece]
+            piece = source[r, offset:offset + self.piece]
             if used:
                 piece[:used].view(self.rank_shape(r)).copy_(self.narrow(grad, r))
             piece[used:].zero_()
@@ -192,8 +192,8 @@ class _Param:
         for tensor in self._storage_tensors():
             tensor.untyped_storage().resize_(0)
 
-    def local_view(self, flat):
-        begin = self.offset
+    def local_view(self, flat, offset=None):
+        begin = self.offset if offset is None else offset
         return flat[begin:begin + self.local_rows * self.row_numel].view(self.local_shape)
 
     def local_alias(self, flat):
@@ -225,12 +225,13 @@ def _like_shard(local, shard):
     return DTensor(local, shard._spec, requires_grad=False)
 
 
-def _lay_out(grads, source):
-    """Writes the (param, full gradient) pairs into source (group size x shard numel), each
-    rank's row holding that rank's pieces, padded with zeros: the reduce-scatter's input."""
+def _lay_out(grads, source, offsets):
+    """Writes the (param, full gradient) pairs into source (group size x numel), each rank's
+    row holding that rank's pieces one after another (p's at offsets[p]), padded with zeros:
+    the reduce-scatter's input."""
     if any(p.dim for p, _ in grads):
         for p, grad in grads:
-            p.lay_out_gradient(grad, source)
+            p.lay_out_gradient(grad, source, offsets[p])
     elif grads:
         torch._chunk_cat([grad.reshape(p.extent, p.row_numel) for p, grad in grads],
                          dim=0, num_chunks=source.shape[0], out=source)
@@ -268,6 +269,7 @@ class _Bucket:
         self.reduce_output = None            # the reduce-scatter's output until finalized,
                                              # or the list of gradients reduced in place
         self.reduce_had_grad = None          # which parameters had a gradient to reduce
+        self.reduce_offsets = None           # {param: offset} of the reduction's layout
         self.redop = None                    # of the reduction in flight
         self.partial = None                  # HSDP: reduce-scattered, not yet all-reduced
         self.partial_had = None
@@ -764,7 +766,7 @@ class Unit:
         reduce inputs of that dtype out in: the transport then reads them straight from every
         rank's buffer, with no staging copy (see [Note: reduce inputs in shared memory])."""
         size = self.group.size
-        buffers, offsets = {}, {}
+        buffers, used = {}, {}
         for bucket in self.buckets:
             if bucket.c.reducing:
                 raise RuntimeError("a unit's gradients were reduced twice in one backward")
@@ -777,14 +779,19 @@ class Unit:
             # beside autograd's) or none came (unused).
             dtypes = {grad.dtype for grad in taken if grad is not None}
             common = dtypes.pop() if len(dtypes) == 1 else bucket.reduce_dtype
+            offsets = self._reduce_layout(bucket, taken, all_reduce)
             grads = []
             for p, grad in zip(bucket.params, taken):
-                if grad is None:   # frozen, unused: zeros in its place
+                if p not in offsets:
+                    continue
+                if grad is None:   # unused here: zeros in its place
                     grad = torch.zeros(p.shape, dtype=common, device=self.device)
                 elif grad.dtype != common:
                     grad = grad.to(common)
                 if p.piece > 0:
                     grads.append((p, grad))
+            numel = sum(p.piece for p in offsets)
+            bucket.reduce_offsets = offsets
             dtype = bucket.reduce_dtype
             code = dtype_code(dtype)
             # Averaged in the collective unless a division follows (_post_divide_factor).
@@ -799,27 +806,47 @@ class Unit:
                 continue
             if self._reduces_in_place(bucket, grads, after):
                 pieces = [grad.view(-1) for _, grad in grads]
-                bucket.c.reduce(code, redop, None, pieces, bucket.numel, after)
+                bucket.c.reduce(code, redop, None, pieces, numel, after)
                 bucket.redop = redop
                 bucket.reduce_output = pieces
                 bucket.reduce_had_grad = had
                 continue
             if shared_input is not None and dtype not in buffers:
-                buffers[dtype], offsets[dtype] = shared_input(dtype), 0
+                buffers[dtype], used[dtype] = shared_input(dtype), 0
             if buffers.get(dtype) is not None:
-                source = torch.frombuffer(buffers[dtype], dtype=dtype, count=size * bucket.numel,
-                                          offset=offsets[dtype]).view(size, bucket.numel)
-                offsets[dtype] += size * bucket.numel * dtype.itemsize
+                source = torch.frombuffer(buffers[dtype], dtype=dtype, count=size * numel,
+                                          offset=used[dtype]).view(size, numel)
+                used[dtype] += size * numel * dtype.itemsize
             else:
-                source = torch.empty((size, bucket.numel), dtype=dtype, device=self.device)
-            _lay_out(grads, source)
+                source = torch.empty((size, numel), dtype=dtype, device=self.device)
+            _lay_out(grads, source, offsets)
             # Over one rank the input is the output, which the transport leaves in place.
             output = source.view(-1) if size == 1 else \
-                torch.empty(bucket.numel, dtype=bucket.reduce_dtype, device=self.device)
-            bucket.c.reduce(code, redop, source, output, bucket.numel, after)
+                torch.empty(numel, dtype=bucket.reduce_dtype, device=self.device)
+            bucket.c.reduce(code, redop, source, output, numel, after)
             bucket.redop = redop
             bucket.reduce_output = output
             bucket.reduce_had_grad = had
+
+    def _reduce_layout(self, bucket, taken, all_reduce):
+        """[Note: frozen parameters in the reduction]
+        {param: its offset in each rank's row of the reduce-scatter} for the parameters of
+        bucket that the reduction moves.  A frozen parameter without a gradient is left out,
+        as torch's fully_shard leaves it out: a frozen embedding or base model of a fine-tune
+        would otherwise cost its bytes of zeros in every step's reduce-scatter.  Whether a
+        parameter requires grad is the same on every rank, so the layout is too; a trainable
+        one this rank did not use gets zeros in its place instead, because another rank may
+        have used it.  Where reductions add up across backwards in their layout (HSDP's
+        partial sums under set_requires_all_reduce(False)) and under FSDP1's communication
+        hooks, which see the bucket's whole layout, every parameter is moved."""
+        whole = self.comm_hook is not None or bucket.partial is not None or \
+            (self.replicate_group is not None and not all_reduce)
+        offsets, offset = {}, 0
+        for p, grad in zip(bucket.params, taken):
+            if whole or grad is not None or p.sharded.requires_grad:
+                offsets[p] = p.offset if whole else offset
+                offset += p.piece
+        return offsets
 
     def _run_comm_hook(self, bucket, grads, had, code, redop):
         """FSDP1's communication hook reduces bucket's gradients, laid out as the reduce-
@@ -827,7 +854,7 @@ class Unit:
         then holds a reduction with nothing in flight."""
         size = self.group.size
         source = torch.empty((size, bucket.numel), dtype=bucket.reduce_dtype, device=self.device)
-        _lay_out(grads, source)
+        _lay_out(grads, source, bucket.reduce_offsets)
         state, hook = self.comm_hook
         grad = source.view(-1)
         if size == 1:
@@ -893,7 +920,8 @@ class Unit:
             if not bucket.c.wait_reduce():
                 continue
             output, had = bucket.reduce_output, bucket.reduce_had_grad
-            bucket.reduce_output = bucket.reduce_had_grad = None
+            offsets = bucket.reduce_offsets
+            bucket.reduce_output = bucket.reduce_had_grad = bucket.reduce_offsets = None
             if self.replicate_group is not None and not all_reduce:
                 if bucket.partial is None:
                     bucket.partial, bucket.partial_had = output, had
@@ -920,10 +948,13 @@ class Unit:
                 for piece in output if pieces is not None else [output]:
                     piece.div_(factor)
             for p, has in zip(bucket.params, had):
+                if p not in offsets:
+                    continue
                 piece = next(pieces) if pieces is not None and p.piece > 0 else None
                 if not has or not p.sharded.requires_grad:
                     continue
-                local = p.local_view(output) if pieces is None else piece.view(p.local_shape)
+                local = p.local_view(output, offsets[p]) if pieces is None else \
+                    piece.view(p.local_shape)
                 if local.dtype != p.orig_dtype:
                     local = local.to(p.orig_dtype)
                 grad = p.sharded.grad
