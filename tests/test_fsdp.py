@@ -344,6 +344,29 @@ def test_shared_inputs_skip_the_staging_slots():
 HOOK_TOLERANCE = 1e-5   # float32: the ranks sum in another order than the reference
 
 
+@pytest.mark.parametrize("when", ["before_forward", "after_step"])
+def test_cast_after_fully_shard(when):
+    """``model.double()`` after fully_shard casts the shards and trains in float64, as under
+    torch's fully_shard (tests/workers_fsdp.py recast_case, 2 ranks, SGD with momentum):
+    before the first forward, the parameters equal torch's and the single process's; after
+    a float32 step, where torch 2.13's fails in the all-gather ("Expected out tensor to have
+    dtype double"), dptc goes on with the optimizer made before the cast and stays within
+    float32 rounding of the single process that cast at the same step."""
+    impls = ("dptc", "torch") if when == "before_forward" else ("dptc",)
+    runs = {impl: run_ranks("tests.workers_fsdp:recast_case", 2,
+                            args={"impl": impl, "when": when}, timeout=LAUNCH_TIMEOUT_S,
+                            reference=impl == "torch")
+            for impl in impls}
+    for rank, mine in enumerate(runs["dptc"]):
+        assert mine["local_dtypes"] == mine["grad_dtypes"] == ["torch.float64"], mine
+        if when == "before_forward":
+            theirs = runs["torch"][rank]
+            assert theirs["local_dtypes"] == ["torch.float64"], theirs
+            assert mine["param_rel"] <= 1e-12 and theirs["param_rel"] <= 1e-12, (mine, theirs)
+        else:
+            assert mine["param_rel"] <= 1e-6, mine
+
+
 def test_frozen_parameters_left_out_of_the_reduction():
     """Frozen parameters (block 0's attention, the position embedding in the root's unit) are
     not reduce-scattered, as under torch's fully_shard: every unit's reduce-scatter output,

@@ -29,7 +29,7 @@ from examples.gpt import build_gpt
 from tests._rank import load_impl
 
 __all__ = ["train_cases", "memory_case", "methods_case", "staging_case", "ring_case",
-           "all_reduce_hook_case", "frozen_reduce_case", "max_rel"]
+           "all_reduce_hook_case", "frozen_reduce_case", "recast_case", "max_rel"]
 
 SEED = 4321
 LR = 1e-3
@@ -637,6 +637,47 @@ def unused_branch_case(impl):
 
 
 HOOK_MODES = ("record", "force_sum", "double")
+
+
+def recast_case(impl, when):
+    """The float32 GPT sharded (blocks, then the root), cast with ``model.double()`` and
+    trained 3 steps of SGD with momentum in float64; when="after_step": one float32 step
+    first, on an optimizer made before the cast that goes on after it.  The single process
+    takes the same steps and casts.  Returns the dtypes of the local shards and their
+    gradients, and the largest relative difference of the parameters from the reference's."""
+    api = load_impl(impl)
+    rank, world = api.get_rank(), api.get_world_size()
+    if impl == "dptc":
+        import dptc as fsdp
+    else:
+        import torch.distributed.fsdp as fsdp
+    mine = slice(rank * ROWS_PER_RANK, (rank + 1) * ROWS_PER_RANK)
+    model, ref = _build("gpt"), _build("gpt")
+    for module in _units(model):
+        fsdp.fully_shard(module)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    generator = torch.Generator().manual_seed(SEED + 17)
+
+    def step(dtype):
+        x, y = _batch("gpt", 0, 0, world, generator)
+        for m, o, rows in ((model, opt, mine), (ref, ref_opt, slice(None))):
+            m.loss(m(x[rows]).to(dtype), y[rows]).backward()
+            o.step()
+            o.zero_grad()
+    if when == "after_step":
+        step(torch.float32)
+    model.double(), ref.double()
+    for _ in range(3):
+        step(torch.float64)
+    x, y = _batch("gpt", 0, 0, world, generator)
+    model.loss(model(x[mine]), y[mine]).backward()
+    out = {"local_dtypes": sorted({str(p._local_tensor.dtype) for p in model.parameters()}),
+           "grad_dtypes": sorted({str(p.grad._local_tensor.dtype) for p in model.parameters()}),
+           "param_rel": max_rel([_full(p.detach()) for p in model.parameters()],
+                                [p.detach() for p in ref.parameters()])}
+    _finish(impl)
+    return out
 
 
 def frozen_reduce_case(impl):

@@ -224,13 +224,7 @@ def _refusals(impl, after):
         fs.fully_shard(model)
         model(torch.randn(ROWS_PER_RANK, WIDTH, dtype=torch.float64)).sum().backward()
 
-    def dtype_changed_after():
-        model = _net()
-        fs.fully_shard(model)
-        model.to(torch.float32)
-
     cases = {
-        "dtype_changed_after": dtype_changed_after,
         "applied_twice": applied_twice,
         "left_on_meta": left_on_meta,
         "child_after_parent": child_after_parent,

@@ -52,10 +52,16 @@ class FSDPModule:
     def _apply(self, *args, **kwargs):
         # to_empty(), .to() and friends replace the parameters: adopt the new ones at once, so
         # state_dict() and load_state_dict() see the shard buffers before the first forward.
-        result = super()._apply(*args, **kwargs)
+        # They apply to the sharded parameters, as torch's do: an unsharded unit reshards.
         state = self.__dict__.get("_dptc_fsdp_state")
         if state is not None and state.unit is not None:
+            state.unit.reshard()
+        result = super()._apply(*args, **kwargs)
+        if state is not None and state.unit is not None:
+            buckets = state.unit.buckets
             state.unit.reset_sharded()
+            if state.unit.buckets is not buckets and state.root is not None:
+                state.root.rings_stale = True   # see [Note: changing dtype after fully_shard]
         return result
 
     def reshard(self):

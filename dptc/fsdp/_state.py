@@ -73,6 +73,7 @@ class State:
         self.post_forward_order = []           # this iteration's post-forwards
         self.reducing = []                     # States whose reductions are in flight
         self.rings = {}                        # (group id, dtype) -> ReduceRing
+        self.rings_stale = False               # a unit changed dtype: remake them
         self.callback_queued = False
         self.in_backward = False               # a forward now is a recomputation
         self.is_last_backward = True
@@ -133,6 +134,9 @@ class State:
         root = self.root
         if root is self:
             root.post_forward_order = []
+            if root.rings_stale:
+                root.rings_stale = False
+                root._make_rings()
         if self not in root.forward_order:
             root.forward_order.append(self)
         if self.unit is not None:

@@ -341,18 +341,8 @@ class Unit:
         shard_dims = shard_dims or [0] * len(params_and_locations)
         self.params = [_Param(param, locations, size, rank, dim)
                        for (param, locations), dim in zip(params_and_locations, shard_dims)]
-        by_dtypes = {}
-        for p in self.params:
-            compute = p.orig_dtype
-            if mp_policy.param_dtype is not None and p.orig_dtype.is_floating_point:
-                compute = mp_policy.param_dtype
-            reduce = compute
-            if mp_policy.reduce_dtype is not None and p.orig_dtype.is_floating_point:
-                reduce = mp_policy.reduce_dtype
-            by_dtypes.setdefault((p.orig_dtype, compute, reduce), []).append(p)
-        self.buckets = [_Bucket(ps, *dtypes, self.engine(shard_group), self.current_stream(),
-                                shard_group.num_streams, size)
-                        for dtypes, ps in by_dtypes.items()]
+        self.mp_policy = mp_policy
+        self.buckets = self._make_buckets()
         self.divide_factor = None        # set_gradient_divide_factor
         self.force_sum = False           # set_force_sum_reduction_for_comms
         self.all_reduce_hook = None      # set_all_reduce_hook: (hook, CUDA stream or None)
@@ -367,6 +357,23 @@ class Unit:
         originals = {id(p): param for p, (param, _) in zip(self.params, params_and_locations)}
         for bucket in self.buckets:
             self._shard(bucket, originals)
+
+    def _make_buckets(self):
+        """The parameters grouped by (original, compute, reduce) dtypes, one _Bucket each."""
+        by_dtypes = {}
+        policy = self.mp_policy
+        for p in self.params:
+            compute = p.orig_dtype
+            if policy.param_dtype is not None and p.orig_dtype.is_floating_point:
+                compute = policy.param_dtype
+            reduce = compute
+            if policy.reduce_dtype is not None and p.orig_dtype.is_floating_point:
+                reduce = policy.reduce_dtype
+            by_dtypes.setdefault((p.orig_dtype, compute, reduce), []).append(p)
+        group = self.group
+        return [_Bucket(ps, *dtypes, self.engine(group), self.current_stream(),
+                        group.num_streams, group.size)
+                for dtypes, ps in by_dtypes.items()]
 
     def engine(self, group):
         """The C engine that moves this unit's tensors in `group`."""
@@ -391,22 +398,27 @@ class Unit:
                 with torch.no_grad():
                     local.copy_(p.narrow(local_data(orig).detach()))
             p.sharded = nn.Parameter(self._dtensor(local, p), requires_grad=orig.requires_grad)
-            kind = dict(dtype=bucket.compute_dtype, device=self.device)
-            if self._aliases(bucket, p) and not on_meta:
-                p.alias_shard(bucket.flat, orig.requires_grad)
-            elif p.dim == 0:
-                p.padded = torch.empty((self.group.size * p.rows,) + tuple(p.shape[1:]), **kind)
-                p.unsharded = p.wrap_unsharded(p.padded[:p.extent], orig.requires_grad)
-            else:
-                p.padded = torch.empty(self.group.size * p.piece, **kind)
-                full = torch.empty(p.shape, **kind)
-                p.unsharded = p.wrap_unsharded(full, orig.requires_grad)
-                # Its own version counter: writing the gathered values through it does not
-                # invalidate the tensors autograd saved from the unsharded parameter.
-                p.writer = torch.empty(0, **kind).set_(full.untyped_storage(), 0, full.shape,
-                                                       full.stride())
+            self._make_unsharded(bucket, p, orig.requires_grad, on_meta)
             p.free()
             p.register(p.sharded)
+
+    def _make_unsharded(self, bucket, p, requires_grad, on_meta=False):
+        """p's unsharded parameter and the storage the gather writes, in the compute dtype."""
+        kind = dict(dtype=bucket.compute_dtype, device=self.device)
+        p.writer, p.hook, p.aliased = None, None, False
+        if self._aliases(bucket, p) and not on_meta:
+            p.alias_shard(bucket.flat, requires_grad)
+        elif p.dim == 0:
+            p.padded = torch.empty((self.group.size * p.rows,) + tuple(p.shape[1:]), **kind)
+            p.unsharded = p.wrap_unsharded(p.padded[:p.extent], requires_grad)
+        else:
+            p.padded = torch.empty(self.group.size * p.piece, **kind)
+            full = torch.empty(p.shape, **kind)
+            p.unsharded = p.wrap_unsharded(full, requires_grad)
+            # Its own version counter: writing the gathered values through it does not
+            # invalidate the tensors autograd saved from the unsharded parameter.
+            p.writer = torch.empty(0, **kind).set_(full.untyped_storage(), 0, full.shape,
+                                                   full.stride())
 
     def _aliases(self, bucket, p):
         """[Note: a shard group of one]
@@ -512,8 +524,25 @@ class Unit:
 
     def reset_sharded(self):
         """Adopts parameters that replaced ours on the modules (``to_empty``,
-        ``load_state_dict(assign=True)``): their values move into the shard buffer and their
-        local tensors become views of it again."""
+        ``load_state_dict(assign=True)``, ``.to(dtype)``): their values move into the shard
+        buffer and their local tensors become views of it again."""
+        adopted = []
+        for p in self.params:
+            module, name = p.locations[0]
+            current = module._parameters[name]
+            if current is p.unsharded:
+                continue
+            if current is not p.sharded:
+                if not isinstance(current, DTensor):
+                    raise TypeError(f"{type(module).__name__}.{name} was replaced by a "
+                                    f"{type(current).__name__}; fully_shard's parameters "
+                                    f"must stay DTensors (load values with copy_ or "
+                                    f"set_model_state_dict)")
+                p.sharded = current
+            adopted.append(p)
+        if any(p.sharded.dtype != p.orig_dtype for p in adopted):
+            self._recast()
+            return
         for bucket in self.buckets:
             if bucket.flat.is_meta:
                 bucket.flat = self._new_flat(bucket)
@@ -521,25 +550,9 @@ class Unit:
                     if self._aliases(bucket, p):
                         p.alias_shard(bucket.flat, p.sharded.requires_grad)
             for p in bucket.params:
-                module, name = p.locations[0]
-                current = module._parameters[name]
-                if current is p.unsharded:
+                if p not in adopted:
                     continue
                 view = p.local_view(bucket.flat)
-                if current is not p.sharded:
-                    if not isinstance(current, DTensor):
-                        raise TypeError(f"{type(module).__name__}.{name} was replaced by a "
-                                        f"{type(current).__name__}; fully_shard's parameters "
-                                        f"must stay DTensors (load values with copy_ or "
-                                        f"set_model_state_dict)")
-                    p.sharded = current
-                if current.dtype != p.orig_dtype:
-                    raise TypeError(
-                        f"{type(module).__name__}.{name} changed dtype from {p.orig_dtype} to "
-                        f"{current.dtype} after fully_shard (.to(dtype), .half(), .double()); "
-                        f"dptc keeps the dtype parameters had when fully_shard was applied.  "
-                        f"Cast the model before fully_shard, or compute in another dtype with "
-                        f"MixedPrecisionPolicy(param_dtype=...)")
                 local = p.sharded._local_tensor
                 if local.is_meta or view.numel() and local.data_ptr() != view.data_ptr():
                     if not local.is_meta and p.local_rows:
@@ -547,6 +560,43 @@ class Unit:
                             view.copy_(local)
                     p.sharded._local_tensor = p.local_alias(bucket.flat)
                 p.register(p.sharded)
+
+    def _recast(self):
+        """[Note: changing dtype after fully_shard]
+        ``model.to(dtype)`` (``.double()``, ``.half()``) after fully_shard casts the sharded
+        parameters, as torch's does.  The buckets are laid out by dtype, so the unit is laid
+        out anew from the parameters it manages: buckets for the new dtypes (and the compute
+        and reduce dtypes the policy gives them), shard buffers holding the cast values, and
+        unsharded storage in the new compute dtype.  The parameters stay the same objects
+        (an optimizer made before keeps them) and their gradients keep the cast values.
+        Collective where the shard buffers are (see _new_flat): every rank casts its model
+        at the same point, as it must under torch's too.  Allowed between steps only, with
+        the unit sharded and no reduction in flight."""
+        for bucket in self.buckets:
+            if bucket.c.state != "sharded" or bucket.c.reducing or bucket.partial is not None:
+                raise RuntimeError(
+                    f"the parameters of {self.label} changed dtype while it was in use "
+                    f"(unsharded, or gradients being reduced); cast the model between steps")
+        for p in self.params:
+            if p.hook is not None:
+                p.hook.remove()
+            p.orig_dtype = p.sharded.dtype
+            p.accumulated = None
+        self.buckets = self._make_buckets()
+        for bucket in self.buckets:
+            bucket.flat = self._new_flat(bucket, any(p.sharded._local_tensor.is_meta
+                                                     for p in bucket.params))
+            for p in bucket.params:
+                local = p.sharded._local_tensor
+                alias = p.local_alias(bucket.flat)
+                if not local.is_meta and p.local_rows:
+                    with torch.no_grad():
+                        alias.copy_(local)
+                p.sharded._local_tensor = alias
+                self._make_unsharded(bucket, p, p.sharded.requires_grad, alias.is_meta)
+                p.free()
+                p.register(p.sharded)
+        self.set_label(self.label)
 
     def set_label(self, label):
         """Names the unit in profiler ranges, e.g. ``dptc::all_gather blocks.2`` (see [Note:
