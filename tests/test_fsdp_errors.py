@@ -21,6 +21,10 @@ layer is one launch whose results the tests share):
     prefetch of a module fully_shard was not applied to   torch: ValueError as well
     non-contiguous parameter   torch: NotImplementedError; dptc accepts it and trains it to
                          the single-process numbers (float64, 2 ranks)
+    a parameter tied to one an earlier unit shards (blocks.3 reusing blocks.0's weight, each
+                         block a unit)   torch: ValueError "is shared with a parameter
+                         already managed by another FSDP group"; dptc sharded the second
+                         location apart before, silently untying the two
     a DTensor parameter on a 2-D mesh, with the default mesh   torch: TypeError "Invariant
                          encountered"; dptc: NotImplementedError naming what it takes (1-D
                          tensor-parallel DTensors, tests/test_fsdp_tp.py)
@@ -103,6 +107,11 @@ REFUSALS = {
     "dtensor_on_2d_mesh": ("NotImplementedError", ["Linear.weight", "2-D mesh",
                                                    "tensor-parallel DTensors on a 1-D mesh"],
                            "TypeError", "Invariant encountered"),
+    "tied_across_units": ("ValueError", ["Linear.weight is tied to Linear.weight",
+                                         "earlier fully_shard call (on Block)",
+                                         "fully_shard([module_a, module_b])"],
+                          "ValueError", "is shared with a parameter already managed by "
+                                        "another FSDP group"),
 }
 
 _launches = {}

@@ -216,6 +216,17 @@ def _refusals(impl, after):
                                                        [Replicate(), Shard(0)]))
         fs.fully_shard(module)
 
+    def tied_across_units():
+        # blocks.3 reuses blocks.0's weight (both WIDTH x WIDTH), as a language model ties its
+        # output to its embedding; then each block is a unit, blocks.0 first.
+        # torch refuses at the first forward, dptc in fully_shard(model.blocks[3]).
+        model = _net()
+        model.blocks[3].fc.weight = model.blocks[0].fc.weight
+        for block in model.blocks:
+            fs.fully_shard(block)
+        fs.fully_shard(model)
+        model(torch.randn(ROWS_PER_RANK, WIDTH, dtype=torch.float64))
+
     def left_on_meta():
         with torch.device("meta"):
             model = _net()
@@ -242,6 +253,7 @@ def _refusals(impl, after):
         "prefetch_not_a_list": prefetch_not_a_list,
         "noncontiguous": noncontiguous,
         "dtensor_on_2d_mesh": dtensor_on_2d_mesh,
+        "tied_across_units": tied_across_units,
     }
     return {name: _outcome(case) for name, case in cases.items()}
 

@@ -306,7 +306,8 @@ def _owned_modules(module):
 
 def _collect_params(modules, ignored):
     """[(parameter, [(module, name), ...])] of the parameters these modules own; a parameter
-    that a unit fully_shard made earlier manages gains the new locations instead."""
+    that a unit fully_shard made earlier manages gains the new locations instead.  Raises
+    for a parameter tied to one an earlier unit sharded (its original is still here)."""
     found = {}
     for root in modules:
         for module in _owned_modules(root):
@@ -320,6 +321,9 @@ def _collect_params(modules, ignored):
                         f"fully_shard is applied bottom-up: {type(root).__name__} lies inside "
                         f"a {type(managed.owners[0]).__name__} that fully_shard was applied to "
                         f"first; apply it to the blocks, then to their parents")
+                sharded_by = getattr(param, "_dptc_fsdp_original_of", None)
+                if sharded_by is not None:
+                    _raise_tied_across_units(module, name, sharded_by)
                 if managed is not None:
                     if (module, name) not in managed.locations:
                         managed.locations.append((module, name))
@@ -329,6 +333,24 @@ def _collect_params(modules, ignored):
                 entry = found.setdefault(id(param), (param, []))
                 entry[1].append((module, name))
     return list(found.values())
+
+
+def _raise_tied_across_units(module, name, managed):
+    """module.name still holds the original of a parameter an earlier fully_shard call
+    sharded: it is tied to one of that unit's locations, which now hold the shard.  Sharding
+    it again here would untie the two copies and train them apart, so raise as torch does."""
+    owner, owner_name = managed.locations[0]
+    raise ValueError(
+        f"{_class_name(module)}.{name} is tied to {_class_name(owner)}.{owner_name}, which an "
+        f"earlier fully_shard call (on {_class_name(managed.owners[0])}) already shards; tied "
+        f"parameters must lie in one unit: apply fully_shard to the modules holding them at "
+        f"once, fully_shard([module_a, module_b]), or leave them to a common parent's unit "
+        f"(e.g. the root)")
+
+
+def _class_name(module):
+    """The module's own class name, without the FSDP<Name> class fully_shard gave it."""
+    return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule)).__name__
 
 
 def _check_tensor_parallel(param, where):
@@ -434,9 +456,11 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
     unit = Unit(params, mesh, shard_group, replicate_group, mp_policy, dims) if params else None
     if unit is not None:
         unit.post_forward_group = post_forward_group
-        for p in unit.params:
+        for p, (param, _) in zip(unit.params, params):
             p.owners = modules
             p.sharded._dptc_fsdp_param = p
+            # Still held wherever it is tied outside these modules: see _collect_params.
+            param._dptc_fsdp_original_of = p
     state = State(modules, unit, mp_policy, reshard_after_forward)
     for m in modules:
         m.__dict__["_dptc_fsdp_state"] = state
