@@ -368,3 +368,24 @@ def test_dptc_checkpoint_loads_into_torch(launches):
     resumed = launches.load("torch_ws2_from_dptc_sync.pt")
     assert max_rel_by_key(resumed, launches.load("dptc_ws2_final.pt")) <= FLOAT64_TOLERANCE
     assert max_rel_by_key(resumed, launches.load("torch_ws2_final.pt")) <= FLOAT64_TOLERANCE
+
+
+def test_state_dict_after_eval_forward_is_sharded():
+    """After an evaluation forward under no_grad the root stays unsharded; state_dict() and
+    get_model_state_dict() still give DTensor shards, and load_state_dict() (of the state
+    before it, halved) takes effect: 2 more steps give torch's losses and parameters (bit for
+    bit at 2 ranks; before the fix dptc gave the root's plain unsharded tensors, and the load
+    into them was lost at the next gather)."""
+    results = {impl: run_ranks("tests.workers_fsdp_checkpoint:state_dict_after_eval_case", 2,
+                               args={"impl": impl}, timeout=LAUNCH_TIMEOUT_S,
+                               reference=impl == "torch")
+               for impl in IMPLS}
+    for mine, torchs in zip(results["dptc"], results["torch"]):
+        for result in (mine, torchs):
+            assert result["state_dict_types"] == ["DTensor"], result["state_dict_types"]
+            assert result["get_model_state_dict_types"] == ["DTensor"], result
+        assert mine["losses"] == torchs["losses"], (mine["losses"], torchs["losses"])
+        for name, values in torchs["params"].items():
+            scale = max(abs(v) for v in values)
+            assert max(abs(a - b) for a, b in zip(mine["params"][name], values)) <= \
+                FLOAT64_TOLERANCE * scale, name

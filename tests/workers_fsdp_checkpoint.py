@@ -41,7 +41,7 @@ from examples.gpt import build_gpt
 from tests._rank import load_impl
 from tests.workers_fsdp import max_rel
 
-__all__ = ["checkpoint_cases", "max_rel_by_key", "PHASES", "STEPS_BEFORE", "STEPS_AFTER",
+__all__ = ["checkpoint_cases", "state_dict_after_eval_case", "max_rel_by_key", "PHASES", "STEPS_BEFORE", "STEPS_AFTER",
            "GLOBAL_ROWS"]
 
 SEED = 2024
@@ -514,3 +514,35 @@ def checkpoint_cases(impl, root, phases):
     else:
         dist.destroy_process_group()
     return results
+
+
+def state_dict_after_eval_case(impl):
+    """Saving and loading after an evaluation forward under no_grad, which leaves the root
+    unsharded (see [Note: state dicts of an unsharded unit] in dptc/fsdp/_state.py).  After
+    one training step and an evaluation forward: the type of every value of
+    model.state_dict() and of get_model_state_dict(); then load_state_dict() of the state
+    saved before the evaluation, halved, after a second evaluation forward, and 2 more steps.
+    Returns the types, the losses and the final full parameters (lists)."""
+    ctx = _Context(impl, None)
+    model = _shard(ctx.fsdp, _build())
+    opt = _optimizer(model)
+    losses = _train(model, opt, [0], ctx.rank, ctx.world)
+    halved = {k: v.detach() * 0.5 for k, v in model.state_dict().items()}
+    x, _ = _batch(100)
+    with torch.no_grad():
+        model(x)
+    out = {"state_dict_types": sorted({type(v).__name__ for v in model.state_dict().values()}),
+           "get_model_state_dict_types": sorted({type(v).__name__
+                                                 for v in get_model_state_dict(model).values()})}
+    with torch.no_grad():
+        model(x)
+    model.load_state_dict(halved)
+    out["losses"] = losses + _train(model, opt, [1, 2], ctx.rank, ctx.world)
+    out["params"] = {k: v.flatten().tolist() for k, v in _full_params(model).items()}
+    dist.barrier()
+    if impl == "dptc":
+        import dptc
+        dptc.destroy_process_group()
+    else:
+        dist.destroy_process_group()
+    return out

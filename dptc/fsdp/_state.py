@@ -85,6 +85,24 @@ class State:
             self.handles.append(module.register_forward_pre_hook(
                 self._pre_forward, prepend=True, with_kwargs=True))
             self.handles.append(module.register_forward_hook(self._post_forward))
+        if unit is not None:
+            holders = {id(m): m for p in unit.params for m, _ in p.locations}
+            for holder in holders.values():
+                self.handles.append(holder.register_state_dict_pre_hook(self._to_sharded))
+                self.handles.append(holder.register_load_state_dict_pre_hook(self._to_sharded))
+
+    # [Note: state dicts of an unsharded unit]
+    # A unit stays unsharded after forward where it does not reshard (the root by default,
+    # so after every evaluation forward under no_grad, which has no backward to reshard it),
+    # and its modules then hold the plain unsharded parameters.  state_dict() would return
+    # those instead of the DTensor shards (get_model_state_dict and dcp.save too), and
+    # load_state_dict() would write into storage the next gather overwrites.  So, as torch's
+    # fully_shard does, saving or loading the state of a module that holds a unit's
+    # parameters reshards the unit first; its next forward or backward gathers again.
+
+    def _to_sharded(self, *_hook_args):
+        if self.unit.state != "sharded":
+            self.unit.reshard()
 
     # -- lazy initialisation ------------------------------------------------------------------
 
