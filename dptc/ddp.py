@@ -16,6 +16,7 @@ import warnings
 import weakref
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
@@ -205,9 +206,13 @@ class DistributedDataParallel(nn.Module, Joinable):
 
         self.module = module
         group = device_mesh if device_mesh is not None else process_group
-        self.process_group = resolve(group, "device_mesh" if device_mesh is not None
-                                     else "process_group")
-        if self.process_group is None:
+        self._group = resolve(group, "device_mesh" if device_mesh is not None
+                              else "process_group")
+        if device_mesh is not None:
+            group = device_mesh.get_group()
+        # What torch's DDP keeps as process_group; see the property.
+        self._torch_group = group if isinstance(group, dist.ProcessGroup) else None
+        if self._group is None:
             raise ValueError(f"this rank ({get_rank()}) is not a member of the process_group "
                              f"passed to DistributedDataParallel; only its members may wrap a "
                              f"module with it")
@@ -243,7 +248,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.output_device = self.device_ids[0] if cuda else None
         codes = [dtype_code(p.dtype, f"parameter {name!r}") for p, name in zip(params, names)]
 
-        if init_sync and self.process_group.size > 1:
+        if init_sync and self._group.size > 1:
             self._sync_module_states(broadcast_buffers=init_sync_buffers)
         self._build_reducer(params, names, sparse_params, sparse_names, codes)
 
@@ -267,8 +272,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._shadowed_sync = False   # a joined rank stood in for a synced backward
         # A CUDA module's buckets live on its device and go through the group's NCCL engine
         # (see [Note: buckets on a device] in csrc/reducer.c).
-        engine = self.process_group.device_engine(self.device) if cuda else \
-            self.process_group._c
+        engine = self._group.device_engine(self.device) if cuda else \
+            self._group._c
         device = self.device
         device_kwargs = {}
         if cuda:
@@ -283,7 +288,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                                    static_graph=self.static_graph,
                                    after_step=self._reduce_sparse if sparse_params else None,
                                    **device_kwargs)
-        self._reducer.overlap = _overlaps(cuda, self.process_group)
+        self._reducer.overlap = _overlaps(cuda, self._group)
         # See [Note: bucket launch order] in csrc/reducer.c.
         self._install_buckets(first_buckets(
             self._param_bytes(), [p.dtype for p in params],
@@ -302,17 +307,17 @@ class DistributedDataParallel(nn.Module, Joinable):
                     "%s",
                     type(self.module).__name__, len(params), total / _MB, len(self._buckets),
                     self.bucket_policy.bucket_bytes / _MB,
-                    self.bucket_policy.first_bucket_bytes / _MB, self.process_group.size,
+                    self.bucket_policy.first_bucket_bytes / _MB, self._group.size,
                     self.find_unused_parameters, self.gradient_as_bucket_view,
                     "during backward" if self._reducer.overlap else "at its end")
 
     # Pickling and copy.deepcopy, as torch's: over the default group only; the copy gets a
     # reducer of its own, with the first buckets and no comm hook, over the default group.
-    _UNPICKLED = ("process_group", "_reducer", "_buckets", "_assignment", "_used_map",
+    _UNPICKLED = ("_group", "_torch_group", "_reducer", "_buckets", "_assignment", "_used_map",
                   "_join_works", "_params", "_param_names", "_sparse_params", "_sparse_names")
 
     def __getstate__(self):
-        if self.process_group is not default_group():
+        if self._group is not default_group():
             raise RuntimeError("DistributedDataParallel can be pickled or deep-copied only over "
                                "the default process group, as torch's; this one wraps its "
                                "module over a group of its own")
@@ -323,10 +328,19 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def __setstate__(self, state):
         super().__setstate__(state)
-        self.process_group = default_group()
+        self._group = default_group()
+        self._torch_group = None
         (params, names), (sparse_params, sparse_names) = self._parameters_to_reduce()
         codes = [dtype_code(p.dtype, f"parameter {name!r}") for p, name in zip(params, names)]
         self._build_reducer(params, names, sparse_params, sparse_names, codes)
+
+    @property
+    def process_group(self):
+        """torch's: the torch.distributed group the gradients are averaged over, as the
+        process_group (or device_mesh's group) given, else the default group; scripts hand it
+        to torch's comm hook states and collectives (PowerSGDState(process_group=...),
+        group.size()).  A group made by dptc.new_group has no torch group and is itself."""
+        return self._torch_group or self._group.torch_group or self._group
 
     @property
     def broadcast_buffers(self):
@@ -378,7 +392,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                   if name not in self.parameters_to_ignore]
         if broadcast_buffers:
             states += self._named_buffers()
-        _broadcast_coalesced([t for _, t in states], self.process_group, src=src,
+        _broadcast_coalesced([t for _, t in states], self._group, src=src,
                              names=[f"parameter or buffer {n!r}" for n, _ in states])
 
     def _param_bytes(self):
@@ -415,7 +429,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         if self.device_type == "cuda":
             return torch.zeros(numel, dtype=dtype, device=self.device)
         # Shared with the local peers: the all-reduce needs no staging copies.
-        return self.process_group.empty_shared(numel, dtype)
+        return self._group.empty_shared(numel, dtype)
 
     def _stage_used_map(self, flags):
         """A CUDA module's used-parameter map (`flags`, one byte per parameter) copied into
@@ -457,7 +471,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                             f"{type(future).__name__}; a hook returns a torch.futures.Future "
                             f"holding the bucket's new gradients (for a hook that does not "
                             f"communicate, a Future completed with set_result)")
-        return LaunchedBucket(future, tensor, self._comm_hook, k, self.process_group)
+        return LaunchedBucket(future, tensor, self._comm_hook, k, self._group)
 
     def _point_grads_at_buckets(self):
         """gradient_as_bucket_view: existing grads move into the buckets and become views."""
@@ -485,9 +499,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._buckets_rebuilt = True
         seen = set(observed)
         order = observed + [i for i in reversed(range(len(self._params))) if i not in seen]
-        if self.process_group.size > 1:
+        if self._group.size > 1:
             shared = torch.tensor(order, dtype=torch.int64)
-            broadcast(shared, group_src=0, group=self.process_group)
+            broadcast(shared, group_src=0, group=self._group)
             order = shared.tolist()
         assignment = assign_buckets(self._param_bytes(), [p.dtype for p in self._params],
                                     order, self.bucket_policy)
@@ -507,7 +521,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         preserve = getattr(torch.autograd, "_unsafe_preserve_version_counter", None)
         context = preserve(tuple(buffers)) if preserve else contextlib.nullcontext()
         with context:
-            _broadcast_coalesced(buffers, self.process_group, src=src,
+            _broadcast_coalesced(buffers, self._group, src=src,
                                  names=[f"buffer {n!r}" for n, _ in named])
 
     def forward(self, *inputs, **kwargs):
@@ -537,10 +551,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         joining = self._join_config.enable
         # The collectives of a training rank under join(), in the order a joined rank's
         # _shadow_step issues them (see dptc/join.py).
-        notified = notify(self, self.process_group)
+        notified = notify(self, self._group)
         if grad_enabled or joining:
             self._rebuild_buckets()
-        if self.process_group.size > 1 and self.will_sync_module_buffers():
+        if self._group.size > 1 and self.will_sync_module_buffers():
             # Under join() rank 0 may have joined: the buffers of the last rank still
             # training win, as in torch.
             self._sync_buffers(self._find_common_rank(True) if joining else 0)
@@ -549,7 +563,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             # Whether this backward syncs; torch sends require_backward_grad_sync alone,
             # which makes a joined rank wait for the buckets of a no-grad forward.  Blocking,
             # as the notification (see dptc/join.py, notify).
-            all_reduce(torch.full((1,), float(sync)), group=self.process_group)
+            all_reduce(torch.full((1,), float(sync)), group=self._group)
         scale = 1.0
         if notified is not None:
             work, training = notified
@@ -560,7 +574,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                 else:
                     self._join_works.append(work)
             if effective:
-                scale = self.process_group.size / training.item()  # [Note: a step's scale]
+                scale = self._group.size / training.item()  # [Note: a step's scale]
         self._reducer.prepare_for_backward(sync, scale)
         return sync
 
@@ -594,10 +608,10 @@ class DistributedDataParallel(nn.Module, Joinable):
     def join_process_group(self):
         """The torch group over this DDP's ranks, for torch's Join, when there is one; else
         the dptc group."""
-        return self.process_group.torch_group or self.process_group
+        return self._group.torch_group or self._group
 
     def _dptc_join_group(self):
-        return self.process_group
+        return self._group
 
     def _wait_join_works(self):
         works, self._join_works = self._join_works, []
@@ -606,8 +620,8 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def _find_common_rank(self, candidate):
         """The largest group rank among the ranks where `candidate` holds."""
-        rank = torch.tensor([self.process_group.rank if candidate else -1])
-        all_reduce(rank, op=ReduceOp.MAX, group=self.process_group)
+        rank = torch.tensor([self._group.rank if candidate else -1])
+        all_reduce(rank, op=ReduceOp.MAX, group=self._group)
         if rank.item() < 0:
             raise RuntimeError("DistributedDataParallel join: no rank qualified as the "
                                "authoritative copy of the model")
@@ -618,10 +632,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         ranks still training (see forward), with zeros for gradients."""
         self._wait_join_works()
         self._rebuild_buckets()
-        if self.process_group.size > 1 and self.will_sync_module_buffers():
+        if self._group.size > 1 and self.will_sync_module_buffers():
             self._sync_buffers(self._find_common_rank(False))
         flag = torch.zeros(1)
-        all_reduce(flag, group=self.process_group)
+        all_reduce(flag, group=self._group)
         sync = flag.item() != 0
         self.require_forward_param_sync = sync
         if not sync:
@@ -629,7 +643,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._shadow_buckets()
         if self.find_unused_parameters:
             used = torch.zeros(len(self._params), dtype=torch.uint8, device=self.device)
-            all_reduce(used, op=ReduceOp.MAX, group=self.process_group)
+            all_reduce(used, op=ReduceOp.MAX, group=self._group)
         self._shadowed_sync = True
 
     def _shadow_buckets(self):
@@ -642,7 +656,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                 self._launch_hook(k, torch.zeros_like(tensor)).finish()
                 continue
             operand, saved = self._shadow_operand(k)
-            all_reduce(operand, op=ReduceOp.AVG, group=self.process_group)
+            all_reduce(operand, op=ReduceOp.AVG, group=self._group)
             if saved is not None:
                 with torch.no_grad():
                     operand.copy_(saved)
@@ -673,7 +687,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         join, the largest such rank."""
         self._wait_join_works()
         self._authoritative_rank = self._find_common_rank(is_last_joiner)
-        if self.process_group.size > 1:
+        if self._group.size > 1:
             self._sync_module_states(self.forward_sync_buffers, src=self._authoritative_rank)
         # Every rank is here, at the end of the context: forward stops notifying, together.
         # (torch's DDP goes on notifying after its join context, so a forward that only some
@@ -711,7 +725,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                     f"fp16_compress_hook or bf16_compress_hook (from dptc.comm_hooks or "
                     f"torch's default_hooks)")
             mode = COMM_PYTHON
-        elif state is not None and resolve(state, "state") is not self.process_group:
+        elif state is not None and resolve(state, "state") is not self._group:
             raise ValueError(f"register_comm_hook: state must be None or the process group "
                              f"this DistributedDataParallel reduces over, got {state!r}")
         self._set_comm(mode, hook, state)
@@ -761,7 +775,7 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def _reduce_sparse(self):
         """The reducer's after_step: see [Note: sparse gradients] in dptc/_sparse.py."""
-        reduce_sparse_gradients(self._sparse_params, self._sparse_names, self.process_group)
+        reduce_sparse_gradients(self._sparse_params, self._sparse_names, self._group)
 
     def _reducer_stats(self):
         """Counters of the C reducer: steps, buckets, launches during/after backward, wait s."""

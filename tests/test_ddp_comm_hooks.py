@@ -11,8 +11,9 @@ Each side trains the same GPT for five SGD steps on 2 ranks with one hook per sc
 Scenarios: a probe hook over torch's allreduce_hook (with several buckets; with
 find_unused_parameters, which keeps the first buckets; with gradient_as_bucket_view and no_sync
 accumulation; under fp16_compress_wrapper), torch's noop_hook (gradients stay local), and
-torch's powerSGD_hook, bare and under fp16_compress_wrapper (one bucket, as PowerSGD needs on
-gloo; torch 2.13's batched_powerSGD_hook fails its own shape check under torch's DDP too), and
+torch's powerSGD_hook, bare, under fp16_compress_wrapper and with the wrapper's own
+process_group as its state's (one bucket, as PowerSGD needs on gloo; torch 2.13's
+batched_powerSGD_hook fails its own shape check under torch's DDP too), and
 torch's post_localSGD_hook (global averaging for two steps, then within one-rank subgroups).
 
 Failures, dptc only: a hook that returns no future, or a future whose value is gloo's list, is
@@ -27,7 +28,7 @@ from tests._compare import max_rel
 from tests._launch import run_ranks
 
 SCENARIOS = ("probe", "probe_unused", "probe_view_no_sync", "probe_fp16_wrapper", "noop",
-             "powersgd", "fp16_powersgd", "post_local_sgd")
+             "powersgd", "fp16_powersgd", "powersgd_ddp_group", "post_local_sgd")
 WORLD = 2
 LAUNCH_TIMEOUT_S = 180
 AGREEMENT = 1e-6
@@ -64,6 +65,16 @@ def test_hook_trains_as_under_torch(runs, name):
         assert mismatch is None, f"rank {rank}: {mismatch}"
         assert max_rel(got["params"], want["params"]) <= AGREEMENT, rank
         assert max_rel(got["grads"], want["grads"]) <= AGREEMENT, rank
+
+
+def test_process_group_is_torchs(runs):
+    """ddp.process_group is the torch group, as under torch's DDP: scripts call its size()
+    and rank() and hand it to torch's hooks (powersgd_ddp_group) and collectives."""
+    torch_results, dptc_results = runs
+    for rank in range(WORLD):
+        for name in SCENARIOS:
+            got, want = dptc_results[rank][name]["group"], torch_results[rank][name]["group"]
+            assert got == want == [True, WORLD, rank, "gloo"], (rank, name, got, want)
 
 
 def test_probes_see_several_buckets_and_the_rebuild(runs):

@@ -7,6 +7,7 @@ with one communication hook per scenario.  A scenario's result, per rank (JSON):
     trace    what the hook saw, call by call: [step, index, is_last, parameter names,
              buffer numel, buffer dtype, float64 sum of the buffer] (scenarios with a probe)
     grads    {name: flat list}, the gradients after the last backward (before the step)
+    group    [is torch's WORLD, size(), rank(), backend] of the wrapper's process_group
 """
 
 import torch
@@ -95,6 +96,15 @@ def _scenario(name, model, trace, step_box):
         if name == "fp16_powersgd":
             hook = default_hooks.fp16_compress_wrapper(hook)
         return {}, state, hook, 1
+    if name == "powersgd_ddp_group":
+        # The wrapper's own group as the hook's state, as scripts pass it: a torch group
+        # (its size() and rank() are methods, the hook's collectives take it).
+        def state(ddp):
+            return powerSGD_hook.PowerSGDState(process_group=ddp.process_group,
+                                               matrix_approximation_rank=2,
+                                               start_powerSGD_iter=2, min_compression_rate=0.5,
+                                               random_seed=7)
+        return {}, state, powerSGD_hook.powerSGD_hook, 1
     if name == "post_local_sgd":
         # torch's local SGD: gradients averaged globally for 2 steps, then within each
         # rank's subgroup (here the rank alone: they stay local).
@@ -124,6 +134,8 @@ def train(impl, scenarios):
         trace, step_box = [], [0]
         kwargs, state, hook, micro_steps = _scenario(name, model, trace, step_box)
         ddp = _wrapper(impl)(model, **kwargs)
+        if callable(state):   # a state made from the wrapper
+            state = state(ddp)
         ddp.register_comm_hook(state, hook)
         optimizer = torch.optim.SGD(ddp.parameters(), lr=LR)
         grads = None
@@ -139,8 +151,11 @@ def train(impl, scenarios):
             grads = _flat((n, p.grad) for n, p in model.named_parameters())
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+        group = ddp.process_group
         results[name] = {"params": _flat(model.named_parameters()), "trace": trace,
-                         "grads": grads}
+                         "grads": grads,
+                         "group": [group is dist.group.WORLD, group.size(), group.rank(),
+                                   dist.get_backend(group)]}
     return results
 
 
