@@ -773,6 +773,42 @@ class DistributedDataParallel(nn.Module, Joinable):
                           "these unused parameters will not change during training loop while "
                           "calling `_set_static_graph`.", stacklevel=2)
 
+    def _get_ddp_logging_data(self):
+        """torch's DDP logging fields that describe the wrapper: its configuration, the
+        parameters and buckets, and how many synced backward passes it reduced (torch's
+        sampled timings are not measured).  The backend is "dptc"."""
+        params = self._params + self._sparse_params
+        dtypes = sorted({_C10_DTYPE_NAMES.get(p.dtype, str(p.dtype)) for p in params})
+        return {
+            "module_name": type(self.module).__name__,
+            "world_size": self._group.size,
+            "rank": self._group.rank,
+            "backend_name": "dptc",
+            "device_ids": ", ".join(str(d) for d in self.device_ids or ()),
+            "output_device": -1 if self.output_device is None else self.output_device,
+            "broadcast_buffers": int(self.forward_sync_buffers),
+            "bucket_cap_bytes": self.bucket_bytes_cap,
+            "find_unused_parameters": int(self.find_unused_parameters),
+            "gradient_as_bucket_view": int(self.gradient_as_bucket_view),
+            "static_graph": int(self.static_graph),
+            "is_multi_device_module": 0,
+            "has_sync_bn": 0,
+            "num_parameter_tensors": len(params),
+            "total_parameter_size_bytes": sum(p.numel() * p.element_size() for p in params),
+            "dtypes": ", ".join(dtypes),
+            "bucket_sizes": ", ".join(str(tensor.numel() * tensor.element_size())
+                                      for tensor, _, _ in self._buckets),
+            "has_rebuilt_buckets": int(self._buckets_rebuilt),
+            "iteration": self._reducer.stats["steps"],
+        }
+
+    def _set_ddp_runtime_logging_sample_rate(self, sample_rate):
+        """torch's: how often its DDP samples runtime timings.  Validated as torch validates
+        it; dptc measures no per-iteration timings for the logging data."""
+        if sample_rate < 1:
+            raise ValueError("DDP runtime logging sample rate should be equal or greater "
+                             "than 1")
+
     def _reduce_sparse(self):
         """The reducer's after_step: see [Note: sparse gradients] in dptc/_sparse.py."""
         reduce_sparse_gradients(self._sparse_params, self._sparse_names, self._group)
@@ -780,6 +816,11 @@ class DistributedDataParallel(nn.Module, Joinable):
     def _reducer_stats(self):
         """Counters of the C reducer: steps, buckets, launches during/after backward, wait s."""
         return self._reducer.stats
+
+
+# The names torch's DDP logging data gives dtypes (c10's).
+_C10_DTYPE_NAMES = {torch.float32: "float", torch.float64: "double", torch.float16: "c10::Half",
+                    torch.bfloat16: "c10::BFloat16"}
 
 
 def _note_sparse(ddp):

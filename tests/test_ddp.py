@@ -307,6 +307,25 @@ def test_deepcopy_and_pickle_as_torchs():
         assert "default process group" in result["subgroup_error"], result["subgroup_error"]
 
 
+def test_logging_data_as_torchs():
+    """DDP._get_ddp_logging_data() describes the wrapper with torch's keys and values (the
+    backend is dptc's), and _set_ddp_runtime_logging_sample_rate validates as torch's."""
+    mine = run_ranks("tests.workers_ddp:logging_data", 2, args={"impl": "dptc"},
+                     timeout=LAUNCH_TIMEOUT_S)
+    theirs = run_ranks("tests.workers_ddp:logging_data", 2, args={"impl": "torch"},
+                       timeout=LAUNCH_TIMEOUT_S, reference=True)
+    keys = ("module_name", "world_size", "rank", "device_ids", "output_device",
+            "broadcast_buffers", "bucket_cap_bytes", "find_unused_parameters",
+            "gradient_as_bucket_view", "is_multi_device_module", "has_sync_bn",
+            "num_parameter_tensors", "total_parameter_size_bytes", "dtypes", "bucket_sizes")
+    for rank, (result, reference) in enumerate(zip(mine, theirs)):
+        assert result["data"]["backend_name"] == "dptc", result["data"]
+        for key in keys:
+            assert result["data"][key] == reference["data"][key], (rank, key, result["data"])
+        assert result["data"]["rank"] == rank
+        assert result["error"] == reference["error"] is not None, result["error"]
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_wrapper_surface(impl):
     """.module is the wrapped module; state_dict keys are the module's with a "module." prefix,

@@ -762,3 +762,32 @@ def copied_wrappers(impl):
             results["subgroup_error"] = str(error)
     _finish(impl)
     return results
+
+
+class _ToDouble(nn.Module):
+    def forward(self, x):
+        return x.double()
+
+
+def logging_data(impl):
+    """DDP._get_ddp_logging_data() after 2 synced steps of a float32 model with a float64
+    head (find_unused_parameters, a 1 MiB bucket cap), with
+    _set_ddp_runtime_logging_sample_rate(2) set first; returns the data and what a sample
+    rate of 0 raised."""
+    _start(impl, init_torch=False)
+    torch.manual_seed(SEED)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2).double())
+    model.insert(2, _ToDouble())
+    ddp = _wrapper_class(impl)(model, bucket_cap_mb=1, find_unused_parameters=True)
+    ddp._set_ddp_runtime_logging_sample_rate(2)
+    for step in range(2):
+        ddp(torch.randn(3, 4)).sum().backward()
+    data = ddp._get_ddp_logging_data()
+    try:
+        ddp._set_ddp_runtime_logging_sample_rate(0)
+        error = None
+    except ValueError as caught:
+        error = str(caught)
+    _finish(impl)
+    return {"data": {k: v for k, v in data.items() if isinstance(v, (int, str))},
+            "error": error}
