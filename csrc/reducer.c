@@ -1416,12 +1416,17 @@ static PyObject *reducer_new(PyTypeObject *type, PyObject *args, PyObject *kwarg
         }
         if (dtype_arg(PyList_GET_ITEM(dtypes, i), 0, &s->dtype, "Reducer") < 0)
             goto fail;
-        size_t numel;
-        if (dptc_tensor_numel(PyList_GET_ITEM(params, i), &numel) != DPTC_OK)
+        /* The parameter's own bytes: a complex parameter is reduced as its real
+         * pairs, so its dtype is the real one and its element twice the size. */
+        PyObject *nbytes = PyObject_GetAttrString(PyList_GET_ITEM(params, i), "nbytes");
+        if (!nbytes)
+            goto fail;
+        s->nbytes = PyLong_AsSize_t(nbytes);
+        Py_DECREF(nbytes);
+        if (PyErr_Occurred())
             goto fail;
         s->param = Py_NewRef(PyList_GET_ITEM(params, i));
         s->name = Py_NewRef(name);
-        s->nbytes = numel * dptc_dtype_size(s->dtype);
         s->bucket = -1;
         r->nslots = i + 1;
     }

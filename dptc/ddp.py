@@ -131,7 +131,10 @@ def _broadcast_coalesced(tensors, group, src=0, names=None):
     for k, tensor in enumerate(tensors):
         if tensor.numel():
             name = names[k] if names else "tensor"
-            by_dtype.setdefault(tensor.dtype, []).append((tensor.detach(), name))
+            tensor = tensor.detach()
+            if tensor.is_complex():   # as its real pairs
+                tensor = torch.view_as_real(tensor)
+            by_dtype.setdefault(tensor.dtype, []).append((tensor, name))
     with torch.no_grad():
         for dtype, entries in by_dtype.items():
             dtype_code(dtype, entries[0][1])
@@ -174,6 +177,7 @@ class DistributedDataParallel(nn.Module, Joinable):
     (the all-reduce, fp16 and bf16 compression hooks natively, any other hook in Python on a
     CPU module; see dptc.comm_hooks); sparse gradients (``nn.Embedding``/``nn.EmbeddingBag``
     with sparse=True, on a CPU module), averaged as torch's (see dptc/_sparse.py).
+    Complex parameters are averaged as their real pairs, as torch's.
     ``process_group`` may be any group dptc accepts (a dptc or torch group, a DeviceMesh
     dimension), or ``device_mesh`` a one-dimensional mesh.  ``join()`` (or torch's ``Join``)
     trains on uneven inputs, as torch's (see dptc/join.py).
@@ -246,7 +250,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         cuda = self.device_type == "cuda"
         self.device_ids = [self.device.index] if cuda else None
         self.output_device = self.device_ids[0] if cuda else None
-        codes = [dtype_code(p.dtype, f"parameter {name!r}") for p, name in zip(params, names)]
+        codes = _reduced_codes(params, names)
 
         if init_sync and self._group.size > 1:
             self._sync_module_states(broadcast_buffers=init_sync_buffers)
@@ -331,7 +335,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._group = default_group()
         self._torch_group = None
         (params, names), (sparse_params, sparse_names) = self._parameters_to_reduce()
-        codes = [dtype_code(p.dtype, f"parameter {name!r}") for p, name in zip(params, names)]
+        codes = _reduced_codes(params, names)
         self._build_reducer(params, names, sparse_params, sparse_names, codes)
 
     @property
@@ -405,12 +409,17 @@ class DistributedDataParallel(nn.Module, Joinable):
             return False
         buckets = []
         for members in assignment:
+            # A complex bucket is kept and reduced as real pairs, its views complex.
             dtype = self._params[members[0]].dtype
-            tensor = self._bucket_tensor(sum(self._params[i].numel() for i in members), dtype)
+            pairs = 2 if dtype.is_complex else 1
+            tensor = self._bucket_tensor(sum(self._params[i].numel() * pairs for i in members),
+                                         dtype.to_real())
             views, offset = [], 0
             for i in members:
-                numel = self._params[i].numel()
-                views.append(tensor[offset:offset + numel].view(self._params[i].shape))
+                numel = self._params[i].numel() * pairs
+                view = tensor[offset:offset + numel]
+                views.append((view.view(dtype) if pairs == 2 else view).view(
+                    self._params[i].shape))
                 offset += numel
             buckets.append((tensor, members, views))
         self._buckets = buckets
@@ -816,6 +825,13 @@ class DistributedDataParallel(nn.Module, Joinable):
     def _reducer_stats(self):
         """Counters of the C reducer: steps, buckets, launches during/after backward, wait s."""
         return self._reducer.stats
+
+
+def _reduced_codes(params, names):
+    """The dtype codes the reducer averages each parameter in: a complex parameter's real
+    dtype (its gradient is averaged as real pairs, as torch's DDP averages it)."""
+    return [dtype_code(p.dtype.to_real(), f"parameter {name!r}")
+            for p, name in zip(params, names)]
 
 
 # The names torch's DDP logging data gives dtypes (c10's).

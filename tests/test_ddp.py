@@ -307,6 +307,19 @@ def test_deepcopy_and_pickle_as_torchs():
         assert "default process group" in result["subgroup_error"], result["subgroup_error"]
 
 
+def test_complex_parameters_as_torchs():
+    """complex64 and complex128 parameters next to float32 ones train as under torch's DDP,
+    bit for bit at 2 ranks, with and without gradient_as_bucket_view."""
+    mine = run_ranks("tests.workers_ddp:complex_params", 2, args={"impl": "dptc"},
+                     timeout=LAUNCH_TIMEOUT_S)
+    theirs = run_ranks("tests.workers_ddp:complex_params", 2, args={"impl": "torch"},
+                       timeout=LAUNCH_TIMEOUT_S, reference=True)
+    for rank, (result, reference) in enumerate(zip(mine, theirs)):
+        for name in ("view=False", "view=True"):
+            assert result[name] == reference[name], (rank, name)
+    assert mine[0] == mine[1]
+
+
 def test_logging_data_as_torchs():
     """DDP._get_ddp_logging_data() describes the wrapper with torch's keys and values (the
     backend is dptc's), and _set_ddp_runtime_logging_sample_rate validates as torch's."""

@@ -791,3 +791,41 @@ def logging_data(impl):
     _finish(impl)
     return {"data": {k: v for k, v in data.items() if isinstance(v, (int, str))},
             "error": error}
+
+
+class _ComplexNet(nn.Module):
+    """A real layer into complex64 and complex128 weights (complex parameters train under
+    torch's DDP: their gradients are averaged as real pairs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.real = nn.Linear(4, 6)
+        self.w64 = nn.Parameter(torch.randn(6, 3, dtype=torch.complex64))
+        self.w128 = nn.Parameter(torch.randn(3, 2, dtype=torch.complex128))
+
+    def forward(self, x):
+        h = self.real(x).to(torch.complex64) @ self.w64
+        return (h.to(torch.complex128) @ self.w128).abs()
+
+
+def complex_params(impl):
+    """3 SGD steps of _ComplexNet on rank-dependent data, plain and with
+    gradient_as_bucket_view; returns each run's parameters as real pairs."""
+    rank = int(os.environ["RANK"])
+    _start(impl, init_torch=False)
+    results = {}
+    for view in (False, True):
+        torch.manual_seed(SEED + rank)   # different on each rank: DDP broadcasts rank 0's
+        model = _ComplexNet()
+        ddp = _wrapper_class(impl)(model, gradient_as_bucket_view=view)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+        for step in range(3):
+            x = torch.randn(5, 4, generator=torch.Generator().manual_seed(step * 10 + rank))
+            ddp(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        results[f"view={view}"] = [torch.view_as_real(p.detach()).flatten().tolist()
+                                   if p.is_complex() else p.detach().flatten().tolist()
+                                   for p in model.parameters()]
+    _finish(impl)
+    return results
