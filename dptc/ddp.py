@@ -801,7 +801,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             "gradient_as_bucket_view": int(self.gradient_as_bucket_view),
             "static_graph": int(self.static_graph),
             "is_multi_device_module": 0,
-            "has_sync_bn": 0,
+            "has_sync_bn": int(any(isinstance(m, nn.SyncBatchNorm)
+                                   for m in self.module.modules())),
             "num_parameter_tensors": len(params),
             "total_parameter_size_bytes": sum(p.numel() * p.element_size() for p in params),
             "dtypes": ", ".join(dtypes),

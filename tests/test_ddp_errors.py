@@ -133,7 +133,7 @@ def test_constructor_validation():
         "bad_process_group": ("TypeError", "process_group"),
         "no_trainable_parameters": ("RuntimeError", "doesn't have any parameter"),
         "not_a_module": ("TypeError", "torch.nn.Module"),
-        "unsupported_dtype": ("TypeError", "complex64"),
+        "unsupported_dtype": ("TypeError", "float8_e4m3fn"),
         "comm_hook_annotation": ("ValueError", "annotate it dist.GradBucket"),
         "comm_hook_return_annotation": ("ValueError", "torch.futures.Future[torch.Tensor]"),
         "builtin_comm_hook_type": ("ValueError", "BuiltinCommHookType"),
@@ -403,7 +403,7 @@ def validation_cases():
         "bad_process_group": lambda: DDP(model(), process_group="world"),
         "no_trainable_parameters": lambda: DDP(frozen),
         "not_a_module": lambda: DDP(lambda x: x),
-        "unsupported_dtype": lambda: DDP(nn.Linear(2, 2).to(torch.complex64)),
+        "unsupported_dtype": lambda: DDP(nn.Linear(2, 2).to(torch.float8_e4m3fn)),
         "comm_hook_annotation": lambda: DDP(model()).register_comm_hook(None, annotated_hook),
         "comm_hook_return_annotation": lambda: DDP(model()).register_comm_hook(
             None, return_annotated_hook),
