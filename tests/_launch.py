@@ -535,7 +535,8 @@ def run_ranks(target: str, world_size: int, *, args=None, timeout: float = 120, 
     reference=True is for runs of torch's own wrappers: torch 2.13's gloo sometimes aborts a
     process at exit (SIGABRT, "terminate called without an active exception") after it wrote
     its result.  Such a run is judged by the results the ranks reported, and a run that failed
-    anyway is repeated once.
+    anyway is repeated once.  Its ranks keep torch's groups alive and leave with os._exit once
+    their result is written ([Note: torch references at teardown] in tests/_rank.py).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -545,6 +546,8 @@ def run_ranks(target: str, world_size: int, *, args=None, timeout: float = 120, 
     if ":" not in target:
         raise ValueError(f"target must be 'module:function', got {target!r}")
     args_json = json.dumps(args or {})
+    if reference:   # see [Note: torch references at teardown] in tests/_rank.py
+        env = {**(env or {}), "DPTC_TEST_REFERENCE": "1"}
     for attempt in (1, 2):
         results, problems, port_taken = _run_ranks_once(target, world_size, args_json, timeout,
                                                         nnodes, env, expect_failure, reference)

@@ -110,9 +110,50 @@ def _write_result(path: str, record: dict):
     os.replace(partial, path)  # the harness never reads half a result
 
 
+# [Note: torch references at teardown]
+# A torch reference run (the harness sets DPTC_TEST_REFERENCE=1, see run_ranks) can deadlock in
+# torch 2.13 itself when its gloo group is freed: once destroy_process_group has dropped the
+# group from torch's registry, the last reference may be a torch DDP's Reducer, freed when the
+# worker function returns.  ~ProcessGroupGloo then joins gloo's work thread while holding the
+# GIL, and that thread is freeing a finished work whose thread-local state needs the GIL
+# (seen with gdb: ~Reducer -> ~ProcessGroupGloo -> thread::join, the pt_gloo_runloop thread in
+# ~AsyncAllreduceWork -> take_gil); the rank hangs before writing its result.  So in a reference
+# run every torch group destroy_process_group drops is kept alive, and after the result is
+# written the process leaves with os._exit, freeing nothing: the reference is judged by its
+# results (as for the SIGABRT torch's gloo sometimes raises at exit).  dptc's own runs exit as
+# usual, and must do so cleanly.
+_HELD_GROUPS = []
+
+
+def _hold_torch_groups():
+    """Reference runs: destroy_process_group keeps the groups it drops alive (see the note)."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+    destroy = c10d.destroy_process_group
+
+    def destroy_holding(group=None):
+        _HELD_GROUPS.extend(c10d._world.pg_map.keys())
+        return destroy(group)
+    dist.destroy_process_group = c10d.destroy_process_group = destroy_holding
+
+
+def _leave(code: int):
+    """Reference runs: exit without freeing anything (see the note); dptc's group, where
+    the reference loaded dptc too, is destroyed first so nothing of it is left behind."""
+    dptc = sys.modules.get("dptc")
+    if dptc is not None and dptc.is_initialized():
+        dptc.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def main(argv) -> int:
     target, args_json, result_path = argv
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    reference = os.environ.get("DPTC_TEST_REFERENCE") == "1"
+    if reference:
+        _hold_torch_groups()
     start_clock()
     try:
         module_name, _, function_name = target.partition(":")
@@ -130,6 +171,8 @@ def main(argv) -> int:
             "elapsed": _elapsed(),
         }
     _write_result(result_path, record)
+    if reference:
+        _leave(0 if record["ok"] else 1)
     sys.stdout.flush()
     sys.stderr.flush()
     return 0 if record["ok"] else 1
