@@ -94,6 +94,10 @@ def parse_args(argv):
     parser.add_argument("--shard-last", action="store_true",
                         help="shard_placement_fn: matrices on Shard(-1), their last dim, on "
                              "both fully_shards (the default is Shard(0) for every parameter)")
+    parser.add_argument("--freeze-embeddings", action="store_true",
+                        help="the token and position embeddings frozen (requires_grad_(False)), "
+                             "as in a fine-tune: they share the root's unit with the trainable "
+                             "final norm and head")
     parser.add_argument("--reshard-after-forward", type=int, default=None, metavar="K",
                         help="reshard_after_forward=K on every block on both fully_shards "
                              "(K a divisor of --ranks: after forward a rank keeps 1/K of a "
@@ -223,8 +227,12 @@ def shard_last(param):
 
 def build(args):
     torch.manual_seed(args.seed)
-    return build_gpt(vocab=args.vocab, d_model=args.d_model, n_layer=args.layers,
-                     n_head=args.n_head, ctx=args.ctx)
+    model = build_gpt(vocab=args.vocab, d_model=args.d_model, n_layer=args.layers,
+                      n_head=args.n_head, ctx=args.ctx)
+    if args.freeze_embeddings:
+        model.tok_emb.requires_grad_(False)
+        model.pos_emb.requires_grad_(False)
+    return model
 
 
 def theory(model, nranks, args):
@@ -643,6 +651,7 @@ def header(args, th, nranks, torch_version, omp):
     reshard = args.reshard_after_forward
     print(f"# fsdp_step: {nranks} ranks, torch {torch_version}, OMP_NUM_THREADS={omp}, "
           f"mp {args.mp}{', matrices on Shard(-1)' if args.shard_last else ''}"
+          f"{', embeddings frozen' if args.freeze_embeddings else ''}"
           f"{f', blocks reshard_after_forward={reshard}' if reshard is not None else ''}"
           f"{f', tensor-parallel MLPs (tp={args.tp})' if args.tp > 1 else ''}"
           f"{', every block compiled' if args.compile else ''}")
