@@ -292,8 +292,9 @@ def test_unused_branch_with_reduce_scatter_unused_params():
 
 def test_module_methods():
     """unshard(async_op=True) and its handle, register_fsdp_forward_method,
-    set_reshard_after_backward(False) then reshard(), and set_gradient_divide_factor(1.0)
-    (gradients summed) on 2 ranks, each against the single-process reference (float64)."""
+    set_reshard_after_backward(False) then reshard(), set_gradient_divide_factor(1.0)
+    (gradients summed) and set_post_optim_event (a CPU event each step, which torch's accepts
+    too) on 2 ranks, each against the single-process reference (float64)."""
     for result in run_ranks("tests.workers_fsdp:methods_case", 2, args={"impl": "dptc"},
                             timeout=LAUNCH_TIMEOUT_S):
         assert result["root_unsharded"], result
@@ -302,6 +303,8 @@ def test_module_methods():
         assert result["grad_rel"] <= FLOAT64_TOLERANCE, result
         assert result["blocks_sharded_after_reshard"], result
         assert result["sum_rel"] <= FLOAT64_TOLERANCE, result
+        assert result["post_optim_event_rel"] <= FLOAT64_TOLERANCE, result
+        assert result["post_optim_event_dropped"], result
 
 
 def test_reduce_ring_keeps_its_pages_between_steps():

@@ -456,7 +456,9 @@ def methods_case(impl):
       gathers the parameters (its output equals the reference's);
     - ``set_reshard_after_backward(False)``: after backward the blocks' parameters stay
       unsharded (plain tensors of full shape on the module); the next step still matches;
-    - ``set_gradient_divide_factor(1.0)``: gradients are summed, world size times the mean.
+    - ``set_gradient_divide_factor(1.0)``: gradients are summed, world size times the mean;
+    - ``set_post_optim_event`` with a CPU event after each optimizer step: training goes on
+      as the reference's, and the root drops the event at its next forward.
     Returns the largest relative differences and what was observed."""
     api = load_impl(impl)
     rank, world = api.get_rank(), api.get_world_size()
@@ -503,6 +505,21 @@ def methods_case(impl):
     _loss(ref, "gpt", x, y).backward()
     out["sum_rel"] = max_rel([_full(p.grad) for p in model.parameters()],
                               [p.grad * world for p in ref.parameters()])
+
+    # set_post_optim_event with a CPU event after each optimizer step (summed
+    # gradients still: the sharded model's learning rate is the reference's / world).
+    opt = torch.optim.SGD(model.parameters(), lr=0.1 / world)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in (2, 3, 4):
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+        model.set_post_optim_event(torch.Event("cpu"))   # on the CPU it cannot be recorded
+        x, y = _batch("gpt", step, 0, world, generator)
+        _loss(model, "gpt", x[mine], y[mine]).backward()
+        _loss(ref, "gpt", x, y).backward()
+    out["post_optim_event_rel"] = max_rel([_full(p.detach()) for p in model.parameters()],
+                                          [p.detach() for p in ref.parameters()])
+    out["post_optim_event_dropped"] = model._fsdp_state().post_optim_event is None
     _finish(impl)
     return out
 

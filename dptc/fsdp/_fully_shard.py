@@ -190,6 +190,18 @@ class FSDPModule:
         if unit is not None:
             unit.all_reduce_hook = (hook, stream)
 
+    def set_post_optim_event(self, event):
+        """torch's: an event recorded after the optimizer step, for the root's next
+        all-gathers to wait on instead of everything queued on the current stream before
+        them.  dptc's gathers follow the current stream (which holds the optimizer step), so
+        the event adds no dependency: it is taken and dropped at the root's next forward, as
+        torch's root drops it after waiting.  The false dependency torch's API removes, on
+        work queued after the optimizer step, stays under dptc."""
+        if not all(hasattr(event, name) for name in ("record", "wait")):
+            raise TypeError(f"event must be a torch.Event (or torch.cuda.Event) recorded after "
+                            f"the optimizer step, got {event!r}")
+        self._fsdp_state().post_optim_event = event
+
     def set_reduce_scatter_divide_factor(self, factor):
         warnings.warn("set_reduce_scatter_divide_factor is deprecated in torch; use "
                       "set_gradient_divide_factor", FutureWarning, stacklevel=2)
@@ -204,7 +216,6 @@ def _unsupported(name):
 
 
 for _name in ("set_custom_all_gather", "set_custom_reduce_scatter",
-              "set_post_optim_event",
               "set_reduce_scatter_max_input_buffers",
               "set_separate_reduce_scatter_group",
               "set_allocate_memory_from_process_group_for_comm", "set_symm_mem_for_comm"):

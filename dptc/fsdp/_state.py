@@ -74,6 +74,7 @@ class State:
         self.reducing = []                     # States whose reductions are in flight
         self.rings = {}                        # (group id, dtype) -> ReduceRing
         self.rings_stale = False               # a unit changed dtype: remake them
+        self.post_optim_event = None           # set_post_optim_event's, until the next forward
         self.callback_queued = False
         self.in_backward = False               # a forward now is a recomputation
         self.is_last_backward = True
@@ -155,6 +156,7 @@ class State:
             if root.rings_stale:
                 root.rings_stale = False
                 root._make_rings()
+            root.post_optim_event = None       # see FSDPModule.set_post_optim_event
         if self not in root.forward_order:
             root.forward_order.append(self)
         if self.unit is not None:
