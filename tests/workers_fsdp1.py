@@ -247,8 +247,8 @@ def state_cases():
             for p in wrapped.parameters():
                 p.sub_(1.0)
 
-    # State dicts hold live tensors (the shards, AdamW's step counters): clone them, or the
-    # uninterrupted run's next step would change them.
+    # State dicts are snapshots (see [Note: FSDP1 state dicts are snapshots]); the clones
+    # keep this test independent of that.
     with FSDP.state_dict_type(wrapped, StateDictType.FULL_STATE_DICT,
                               FullStateDictConfig(offload_to_cpu=True, rank0_only=True)):
         full = _clone(wrapped.state_dict())
@@ -832,3 +832,47 @@ def meta_init_case(impl):
     if impl == "dptc":
         api.destroy_process_group()
     return params
+
+
+def _loss_step(model, opt, rank, world, generator):
+    idx = torch.randint(0, 64, (ROWS * world, 9), generator=generator)
+    mine = idx[rank * ROWS:(rank + 1) * ROWS]
+    loss = GPT.loss(model(mine[:, :-1]), mine[:, 1:])
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return float(loss.detach())
+
+
+def snapshot_case(impl):
+    """An in-memory rollback, float32 GPT, FULL_SHARD, use_orig_params=False (the default):
+    one step, the model's and optimizer's state dicts (FULL, then SHARDED), two more steps,
+    both dicts loaded back, the two steps again, and once more from the same dicts.  Returns
+    {kind: (losses, losses after the first rollback, after the second)}."""
+    api, FSDP = _api(impl)
+    import torch.distributed as dist
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for kind in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
+        state_dict_type = getattr(api.StateDictType, kind)
+        model = FSDP(build(n_layer=2).float(), device_id="cpu",
+                     auto_wrap_policy=functools.partial(_policy(impl),
+                                                        transformer_layer_cls={Block}))
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        generator = torch.Generator().manual_seed(SEED)
+        _loss_step(model, opt, rank, world, generator)
+        with FSDP.state_dict_type(model, state_dict_type):
+            state, optim_state = model.state_dict(), FSDP.optim_state_dict(model, opt)
+        resume = generator.get_state()
+        runs = []
+        for _ in range(3):
+            if runs:
+                with FSDP.state_dict_type(model, state_dict_type):
+                    model.load_state_dict(state)
+                    opt.load_state_dict(FSDP.optim_state_dict_to_load(model, opt, optim_state))
+            generator.set_state(resume)
+            runs.append([_loss_step(model, opt, rank, world, generator) for _ in range(2)])
+        out[kind] = runs
+    if impl == "dptc":
+        api.destroy_process_group()
+    return out

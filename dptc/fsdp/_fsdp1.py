@@ -445,6 +445,10 @@ class FullyShardedDataParallel(nn.Module):
             value = state_dict.pop(key)
             if full and isinstance(value, DTensor):
                 value = value.full_tensor()
+            elif isinstance(value, DTensor):
+                # A copy of the shard, as torch's FSDP1 gives: the dict is a snapshot that
+                # training does not change (see [Note: FSDP1 state dicts are snapshots]).
+                value = value.detach().clone()
             if rank0_only and dist.get_rank() != 0:
                 continue
             state_dict[_clean(key)] = value
@@ -564,6 +568,12 @@ class FullyShardedDataParallel(nn.Module):
         with torch_methods():
             set_optimizer_state_dict(model, optim, optim_state_dict, options=StateDictOptions(
                 full_state_dict=full, broadcast_from_rank0=rank0_only))
+        # See [Note: FSDP1 state dicts are snapshots].
+        given = _storages(optim_state_dict)
+        for entries in optim.state.values():
+            for key, value in entries.items():
+                if isinstance(value, torch.Tensor) and _storage(value) in given:
+                    entries[key] = value.detach().clone()
         return optim.state_dict()
 
 
@@ -573,9 +583,36 @@ def _optimizer_state(model, optim, full, rank0_only):
     rank0_only) or this rank's DTensor shards."""
     from torch.distributed.checkpoint.state_dict import (StateDictOptions,
                                                          get_optimizer_state_dict)
+    from torch.utils._pytree import tree_map
     with torch_methods():
-        return get_optimizer_state_dict(model, optim, options=StateDictOptions(
+        state = get_optimizer_state_dict(model, optim, options=StateDictOptions(
             full_state_dict=full, cpu_offload=rank0_only))
+    # See [Note: FSDP1 state dicts are snapshots].
+    live = _storages(optim.state_dict()["state"])
+    return tree_map(lambda value: value.detach().clone() if isinstance(value, torch.Tensor)
+                    and _storage(value) in live else value, state)
+
+
+# [Note: FSDP1 state dicts are snapshots]
+# torch's FSDP1 builds its state dicts from new tensors (ShardedTensors of copied shards,
+# gathered full tensors, flattened optimizer state), so a script may keep one in memory and
+# train on: an in-process rollback, or a second model and optimizer loaded from the first's.
+# fully_shard's state dicts hold the live DTensor shards and optimizer tensors instead. So the
+# SHARDED model state dict copies each shard, optim_state_dict copies every tensor it shares
+# with the optimizer (shards, step counters), and optim_state_dict_to_load leaves the
+# optimizer no tensor of the dict it was given, as torch's FSDP1 does.
+
+
+def _storage(tensor):
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.untyped_storage().data_ptr()
+
+
+def _storages(tree):
+    """The storage addresses of the tensors in tree (DTensors: their local tensors)."""
+    from torch.utils._pytree import tree_flatten
+    return {_storage(value) for value in tree_flatten(tree)[0]
+            if isinstance(value, torch.Tensor) and value.numel()}
 
 
 def _optim_settings(model):
