@@ -391,3 +391,25 @@ def test_state_dicts_are_snapshots_as_torchs():
             assert rolled_back == again == losses, (rank, kind, result[kind])
             assert max_rel({kind: losses}, {kind: reference[kind][0]}) <= 1e-6, \
                 (rank, kind, losses, reference[kind][0])
+
+
+def test_set_state_dict_type_as_torchs():
+    """set_state_dict_type returns the settings before as StateDictSettings (torch's class,
+    whose fields restore them), and refuses a config of the other state-dict type with
+    torch's RuntimeError, naming the config it takes, and changing nothing.  (dptc returned
+    a plain tuple and took any config.)"""
+    mine = run_ranks("tests.workers_fsdp1:state_dict_settings_case", 2,
+                     args={"impl": "dptc"}, timeout=LAUNCH_TIMEOUT_S)
+    theirs = run_ranks("tests.workers_fsdp1:state_dict_settings_case", 2,
+                       args={"impl": "torch"}, timeout=LAUNCH_TIMEOUT_S, reference=True)
+    for result, reference in zip(mine, theirs):
+        assert list(result) == list(reference)
+        for name, value in result.items():
+            if name.endswith("Config"):
+                assert value[0] == reference[name][0] == "RuntimeError", (name, value)
+                wanted = "ShardedStateDictConfig" if name.startswith("SHARDED") else \
+                    "FullStateDictConfig"
+                assert wanted in value[1], (name, value)
+            else:
+                assert value == reference[name], (name, value, reference[name])
+        assert result["returns"] == "StateDictSettings"

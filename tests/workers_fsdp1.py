@@ -876,3 +876,27 @@ def snapshot_case(impl):
     if impl == "dptc":
         api.destroy_process_group()
     return out
+
+
+def state_dict_settings_case(impl):
+    """set_state_dict_type as scripts use it: what it returns (the settings before, whose
+    fields restore them), and a config of the other state-dict type.  Returns what each
+    call gave, by name, for comparing the two implementations."""
+    api, FSDP = _api(impl)
+    model = _wrap(impl, build(n_layer=1).float(), "FULL_SHARD")
+    out = {}
+    before = FSDP.set_state_dict_type(model, api.StateDictType.SHARDED_STATE_DICT)
+    out["returns"] = type(before).__name__
+    out["before"] = (before.state_dict_type.name, type(before.state_dict_config).__name__,
+                     type(before.optim_state_dict_config).__name__)
+    FSDP.set_state_dict_type(model, before.state_dict_type, before.state_dict_config,
+                             before.optim_state_dict_config)
+    out["restored"] = FSDP.get_state_dict_type(model).state_dict_type.name
+    for kind, config in (("SHARDED_STATE_DICT", api.FullStateDictConfig()),
+                         ("FULL_STATE_DICT", api.ShardedStateDictConfig())):
+        out[f"{kind} with {type(config).__name__}"] = _error(
+            lambda: FSDP.set_state_dict_type(model, getattr(api.StateDictType, kind), config))
+    out["after errors"] = FSDP.get_state_dict_type(model).state_dict_type.name
+    if impl == "dptc":
+        api.destroy_process_group()
+    return out

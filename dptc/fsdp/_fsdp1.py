@@ -403,11 +403,18 @@ class FullyShardedDataParallel(nn.Module):
                                        else ShardedStateDictConfig())
         optim_config = optim_state_dict_config or (FullOptimStateDictConfig() if full
                                                    else ShardedOptimStateDictConfig())
+        expected = (FullStateDictConfig, FullOptimStateDictConfig) if full else \
+            (ShardedStateDictConfig, ShardedOptimStateDictConfig)
+        for given, kind in zip((config, optim_config), expected):
+            if not isinstance(given, kind):
+                raise RuntimeError(f"{state_dict_type} takes a {kind.__name__}, got "
+                                   f"{type(given).__name__}; pass a {kind.__name__} or None")
         previous = None
         for fsdp in FullyShardedDataParallel.fsdp_modules(module):
             previous = previous or fsdp._settings
             fsdp._settings = (state_dict_type, config, optim_config)
-        return previous
+        # As torch's: the settings before, as StateDictSettings.
+        return StateDictSettings(*previous) if previous is not None else None
 
     @staticmethod
     def get_state_dict_type(module):
@@ -435,7 +442,9 @@ class FullyShardedDataParallel(nn.Module):
             yield
         finally:
             if previous is not None:
-                FullyShardedDataParallel.set_state_dict_type(module, *previous)
+                FullyShardedDataParallel.set_state_dict_type(
+                    module, previous.state_dict_type, previous.state_dict_config,
+                    previous.optim_state_dict_config)
 
     def _post_state_dict(self, state_dict, prefix, local_metadata):
         kind, config = self._settings[:2]
