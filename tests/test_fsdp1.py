@@ -413,3 +413,19 @@ def test_set_state_dict_type_as_torchs():
             else:
                 assert value == reference[name], (name, value, reference[name])
         assert result["returns"] == "StateDictSettings"
+
+
+def test_clip_grad_norm_on_a_nested_instance_raises_as_torchs():
+    """clip_grad_norm_ on a nested instance raises torch's RuntimeError and changes no
+    gradient: the root's norm afterwards is torch's.  (dptc clipped the nested instance's
+    parameters by their own norm.)"""
+    mine = run_ranks("tests.workers_fsdp1:nested_clip_case", 2, args={"impl": "dptc"},
+                     timeout=LAUNCH_TIMEOUT_S)
+    theirs = run_ranks("tests.workers_fsdp1:nested_clip_case", 2, args={"impl": "torch"},
+                       timeout=LAUNCH_TIMEOUT_S, reference=True)
+    for result, reference in zip(mine, theirs):
+        assert reference["nested"][0] == "RuntimeError", reference
+        assert result["nested"] is not None and result["nested"][0] == "RuntimeError", result
+        assert "root" in result["nested"][1]
+        assert abs(result["root"] - reference["root"]) <= 1e-6 * reference["root"], \
+            (result, reference)

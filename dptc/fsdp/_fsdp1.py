@@ -352,7 +352,13 @@ class FullyShardedDataParallel(nn.Module):
 
     def clip_grad_norm_(self, max_norm, norm_type=2.0):
         """Clips the gradients of every parameter to a total norm of max_norm; returns the
-        total norm before clipping (over all ranks' shards)."""
+        total norm before clipping (over all ranks' shards).  On the root only, as torch's:
+        a nested instance would clip its own parameters by their norm alone."""
+        if not self.check_is_root():
+            raise RuntimeError(f"clip_grad_norm_() should only be called on the root "
+                               f"FullyShardedDataParallel instance, not on this nested one "
+                               f"(wrapping {type(self.module).__name__}); call it on the "
+                               f"model's outermost instance")
         norm = torch.nn.utils.clip_grad_norm_(list(self.parameters()), max_norm, norm_type)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
