@@ -429,3 +429,17 @@ def test_clip_grad_norm_on_a_nested_instance_raises_as_torchs():
         assert "root" in result["nested"][1]
         assert abs(result["root"] - reference["root"]) <= 1e-6 * reference["root"], \
             (result, reference)
+
+
+def test_no_sync_on_a_nested_instance_raises_as_torchs():
+    """no_sync() on a nested instance raises torch's RuntimeError.  (dptc stopped the
+    gradient sync of that instance's units alone.)"""
+    mine = run_ranks("tests.workers_fsdp1:nested_clip_case", 2, args={"impl": "dptc"},
+                     timeout=LAUNCH_TIMEOUT_S)
+    theirs = run_ranks("tests.workers_fsdp1:nested_clip_case", 2, args={"impl": "torch"},
+                       timeout=LAUNCH_TIMEOUT_S, reference=True)
+    for result, reference in zip(mine, theirs):
+        assert reference["nested no_sync"][0] == "RuntimeError", reference
+        assert result["nested no_sync"] is not None, result
+        assert result["nested no_sync"][0] == "RuntimeError" and \
+            "root" in result["nested no_sync"][1], result

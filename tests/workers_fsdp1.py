@@ -903,14 +903,15 @@ def state_dict_settings_case(impl):
 
 
 def nested_clip_case(impl):
-    """clip_grad_norm_ on a nested instance, after a backward: returns what the call gave
-    ([type, message], or None) and the root's norm afterwards."""
+    """clip_grad_norm_ and no_sync() on a nested instance, after a backward: returns what
+    each call gave ([type, message], or None) and the root's norm afterwards."""
     api, FSDP = _api(impl)
     model = _wrap(impl, build(n_layer=2).float(), "FULL_SHARD")
     idx = torch.randint(0, 64, (ROWS, 9), generator=torch.Generator().manual_seed(SEED))
     GPT.loss(model(idx[:, :-1]), idx[:, 1:]).backward()
     nested = [m for m in FSDP.fsdp_modules(model) if m is not model][0]
     out = {"nested": _error(lambda: nested.clip_grad_norm_(1e-3)),
+           "nested no_sync": _error(lambda: nested.no_sync().__enter__()),
            "root": float(model.clip_grad_norm_(1.0))}
     if impl == "dptc":
         api.destroy_process_group()

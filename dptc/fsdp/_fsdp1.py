@@ -340,7 +340,12 @@ class FullyShardedDataParallel(nn.Module):
     def no_sync(self):
         """Gradients accumulate unsharded, without communication, inside the context; the
         first backward after it reduces their sum (memory: one unsharded gradient of the
-        model per rank, as torch's)."""
+        model per rank, as torch's).  On the root only, as torch's."""
+        if not self.check_is_root():
+            raise RuntimeError(f"no_sync() should only be called on the root "
+                               f"FullyShardedDataParallel instance, not on this nested one "
+                               f"(wrapping {type(self.module).__name__}); call it on the "
+                               f"model's outermost instance")
         units = self._units()
         for unit in units:
             unit.set_requires_gradient_sync(False, recurse=False)
