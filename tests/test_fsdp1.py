@@ -443,3 +443,14 @@ def test_no_sync_on_a_nested_instance_raises_as_torchs():
         assert result["nested no_sync"] is not None, result
         assert result["nested no_sync"][0] == "RuntimeError" and \
             "root" in result["nested no_sync"][1], result
+
+
+def test_sync_module_states_leaves_ignored_parameters():
+    """sync_module_states=True broadcasts rank 0's managed parameters and leaves the
+    ignored ones (ignored_modules', ignored_states') each rank's own, as torch's FSDP1
+    syncs only the parameters it manages (its sync needs a GPU, so no torch run here).
+    (dptc broadcast the ignored parameters too.)"""
+    for rank, result in enumerate(run_ranks("tests.workers_fsdp1:sync_ignored_case", 2,
+                                            timeout=LAUNCH_TIMEOUT_S)):
+        assert result["managed"] > 0 and result["managed_rel"] == 0.0, (rank, result)
+        assert result["ignored_kept"] == [True, True], (rank, result)

@@ -916,3 +916,34 @@ def nested_clip_case(impl):
     if impl == "dptc":
         api.destroy_process_group()
     return out
+
+
+def sync_ignored_case():
+    """dptc, 2 ranks: sync_module_states with ignored_modules=[pos_emb] and
+    ignored_states=[ln_f.weight], rank 1 starting from other weights.  Returns whether the
+    managed parameters are rank 0's and whether the ignored ones are still this rank's."""
+    _api("dptc")
+    import dptc
+    from dptc import FullyShardedDataParallel as FSDP
+    rank = dptc.get_rank()
+    ref, model = build(n_layer=1), build(n_layer=1)
+    if rank == 1:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_()
+    ignored = [model.pos_emb.weight, model.ln_f.weight]
+    own = [p.detach().clone() for p in ignored]
+    wrapped = FSDP(model, sync_module_states=True, ignored_modules=[model.pos_emb],
+                   ignored_states=[model.ln_f.weight], device_id="cpu",
+                   auto_wrap_policy=functools.partial(_policy("dptc"),
+                                                      transformer_layer_cls={Block}))
+    with FSDP.summon_full_params(wrapped, writeback=False):
+        managed = {name: p.detach().clone() for name, p in wrapped.named_parameters()
+                   if not any(p is q for q in ignored)}
+    expected = dict(ref.named_parameters())
+    out = {"managed_rel": max_rel(list(managed.values()),
+                                  [expected[name].detach() for name in managed]),
+           "managed": len(managed),
+           "ignored_kept": [bool(torch.equal(p.detach(), q)) for p, q in zip(ignored, own)]}
+    dptc.destroy_process_group()
+    return out

@@ -194,7 +194,7 @@ class FullyShardedDataParallel(nn.Module):
         if device.type == "cuda":
             module.to(device)             # as torch's, for a module given with device_id
         if sync_module_states:
-            self._broadcast_from_rank0(module)
+            self._broadcast_from_rank0(module, ignored_params)
         if mixed_precision is not None and mixed_precision.buffer_dtype is not None:
             for buffer_module in module.modules():
                 for name, buffer in buffer_module._buffers.items():
@@ -277,10 +277,14 @@ class FullyShardedDataParallel(nn.Module):
                 sub.reset_parameters()
 
     @staticmethod
-    def _broadcast_from_rank0(module):
+    def _broadcast_from_rank0(module, ignored_params):
+        """sync_module_states: rank 0's parameters and buffers on every rank, except the
+        ignored parameters (ignored_modules' and ignored_states'), which stay each rank's
+        own, as torch's broadcasts only the parameters it manages."""
         from .. import collectives
+        managed = [p for p in module.parameters() if p not in ignored_params]
         with torch.no_grad():
-            for tensor in list(module.parameters()) + list(module.buffers()):
+            for tensor in managed + list(module.buffers()):
                 collectives.broadcast(tensor.data if tensor.is_contiguous() else tensor,
                                       src=0)
 
