@@ -335,6 +335,14 @@ class FullyShardedDataParallel(nn.Module):
         state = self.__dict__["_fsdp_state"]
         return state.root is state or state.root is None and self._is_root_arg
 
+    def _require_root(self, method):
+        """Raises, as torch's does, where `method` is called on a nested instance."""
+        if not self.check_is_root():
+            raise RuntimeError(f"{method}() should only be called on the root "
+                               f"FullyShardedDataParallel instance, not on this nested one "
+                               f"(wrapping {type(self.module).__name__}); call it on the "
+                               f"model's outermost instance")
+
     # -- training -------------------------------------------------------------------------------
 
     def _units(self):
@@ -345,11 +353,7 @@ class FullyShardedDataParallel(nn.Module):
         """Gradients accumulate unsharded, without communication, inside the context; the
         first backward after it reduces their sum (memory: one unsharded gradient of the
         model per rank, as torch's).  On the root only, as torch's."""
-        if not self.check_is_root():
-            raise RuntimeError(f"no_sync() should only be called on the root "
-                               f"FullyShardedDataParallel instance, not on this nested one "
-                               f"(wrapping {type(self.module).__name__}); call it on the "
-                               f"model's outermost instance")
+        self._require_root("no_sync")
         units = self._units()
         for unit in units:
             unit.set_requires_gradient_sync(False, recurse=False)
@@ -363,11 +367,7 @@ class FullyShardedDataParallel(nn.Module):
         """Clips the gradients of every parameter to a total norm of max_norm; returns the
         total norm before clipping (over all ranks' shards).  On the root only, as torch's:
         a nested instance would clip its own parameters by their norm alone."""
-        if not self.check_is_root():
-            raise RuntimeError(f"clip_grad_norm_() should only be called on the root "
-                               f"FullyShardedDataParallel instance, not on this nested one "
-                               f"(wrapping {type(self.module).__name__}); call it on the "
-                               f"model's outermost instance")
+        self._require_root("clip_grad_norm_")
         norm = torch.nn.utils.clip_grad_norm_(list(self.parameters()), max_norm, norm_type)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
@@ -612,7 +612,7 @@ def _optimizer_state(model, optim, full, rank0_only):
         state = get_optimizer_state_dict(model, optim, options=StateDictOptions(
             full_state_dict=full, cpu_offload=rank0_only))
     # See [Note: FSDP1 state dicts are snapshots].
-    live = _storages(optim.state_dict()["state"])
+    live = _storages(optim.state)
     return tree_map(lambda value: value.detach().clone() if isinstance(value, torch.Tensor)
                     and _storage(value) in live else value, state)
 
