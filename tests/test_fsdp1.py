@@ -28,23 +28,35 @@ PLAN = {
 _launches = {}
 
 
-def _results(impl, world_size, nnodes):
-    key = (impl, world_size, nnodes)
+def _once(key, launch):
+    """launch() once per key, for every test that reads its results; a failed launch fails
+    each of them."""
     if key not in _launches:
-        strategies, mp = PLAN[key]
         try:
-            _launches[key] = run_ranks("tests.workers_fsdp1:strategy_cases", world_size,
-                                       args={"impl": impl, "strategies": strategies,
-                                             "mp_strategies": mp,
-                                             "low_precision_grads": world_size == 2 and
-                                             nnodes == 1},
-                                       nnodes=nnodes, timeout=LAUNCH_TIMEOUT_S,
-                                       reference=impl == "torch")
+            _launches[key] = launch()
         except AssertionError as error:
             _launches[key] = error
     if isinstance(_launches[key], AssertionError):
         raise _launches[key]
     return _launches[key]
+
+
+def _results(impl, world_size, nnodes):
+    strategies, mp = PLAN[(impl, world_size, nnodes)]
+    return _once((impl, world_size, nnodes), lambda: run_ranks(
+        "tests.workers_fsdp1:strategy_cases", world_size,
+        args={"impl": impl, "strategies": strategies, "mp_strategies": mp,
+              "low_precision_grads": world_size == 2 and nnodes == 1},
+        nnodes=nnodes, timeout=LAUNCH_TIMEOUT_S, reference=impl == "torch"))
+
+
+def _nested_cases():
+    """nested_clip_case's results under dptc and under torch, launched once for both tests
+    of a nested instance."""
+    return _once("nested", lambda: [
+        run_ranks("tests.workers_fsdp1:nested_clip_case", 2, args={"impl": impl},
+                  timeout=LAUNCH_TIMEOUT_S, reference=impl == "torch")
+        for impl in ("dptc", "torch")])
 
 
 CASES = [(impl, ws, nodes, s) for (impl, ws, nodes), (strategies, _) in PLAN.items()
@@ -419,10 +431,7 @@ def test_clip_grad_norm_on_a_nested_instance_raises_as_torchs():
     """clip_grad_norm_ on a nested instance raises torch's RuntimeError and changes no
     gradient: the root's norm afterwards is torch's.  (dptc clipped the nested instance's
     parameters by their own norm.)"""
-    mine = run_ranks("tests.workers_fsdp1:nested_clip_case", 2, args={"impl": "dptc"},
-                     timeout=LAUNCH_TIMEOUT_S)
-    theirs = run_ranks("tests.workers_fsdp1:nested_clip_case", 2, args={"impl": "torch"},
-                       timeout=LAUNCH_TIMEOUT_S, reference=True)
+    mine, theirs = _nested_cases()
     for result, reference in zip(mine, theirs):
         assert reference["nested"][0] == "RuntimeError", reference
         assert result["nested"] is not None and result["nested"][0] == "RuntimeError", result
@@ -434,10 +443,7 @@ def test_clip_grad_norm_on_a_nested_instance_raises_as_torchs():
 def test_no_sync_on_a_nested_instance_raises_as_torchs():
     """no_sync() on a nested instance raises torch's RuntimeError.  (dptc stopped the
     gradient sync of that instance's units alone.)"""
-    mine = run_ranks("tests.workers_fsdp1:nested_clip_case", 2, args={"impl": "dptc"},
-                     timeout=LAUNCH_TIMEOUT_S)
-    theirs = run_ranks("tests.workers_fsdp1:nested_clip_case", 2, args={"impl": "torch"},
-                       timeout=LAUNCH_TIMEOUT_S, reference=True)
+    mine, theirs = _nested_cases()
     for result, reference in zip(mine, theirs):
         assert reference["nested no_sync"][0] == "RuntimeError", reference
         assert result["nested no_sync"] is not None, result

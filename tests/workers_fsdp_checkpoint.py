@@ -507,13 +507,18 @@ def checkpoint_cases(impl, root, phases):
             results[name] = {"ok": False, "error": traceback.format_exc()}
         results[name]["seconds"] = time.monotonic() - started
         gc.collect()
+    _finish(impl)
+    return results
+
+
+def _finish(impl):
+    """The ranks meet, then the implementation's group is destroyed."""
     dist.barrier()
     if impl == "dptc":
         import dptc
         dptc.destroy_process_group()
     else:
         dist.destroy_process_group()
-    return results
 
 
 def state_dict_after_eval_case(impl):
@@ -539,10 +544,5 @@ def state_dict_after_eval_case(impl):
     model.load_state_dict(halved)
     out["losses"] = losses + _train(model, opt, [1, 2], ctx.rank, ctx.world)
     out["params"] = {k: v.flatten().tolist() for k, v in _full_params(model).items()}
-    dist.barrier()
-    if impl == "dptc":
-        import dptc
-        dptc.destroy_process_group()
-    else:
-        dist.destroy_process_group()
+    _finish(impl)
     return out
