@@ -1,0 +1,67 @@
+"""What `pip install .` puts in a training environment: the wheel holds every module of the
+source tree and the extension, and dptc imports from it alone, FSDP included.
+
+The import runs under `python -S`, so no .pth file (an editable install of this checkout among
+them) can supply a module the wheel lacks."""
+
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _tracked():
+    listing = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, check=True,
+                             capture_output=True).stdout.decode()
+    return [name for name in listing.split("\0") if name]
+
+
+def _source_modules():
+    return {name for name in _tracked() if name.startswith("dptc/") and name.endswith(".py")}
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory):
+    # Built from a copy of what git tracks: a build/ folder left in the checkout would
+    # otherwise hand setuptools the modules its configuration leaves out.
+    source = tmp_path_factory.mktemp("source")
+    for name in _tracked():
+        os.makedirs(source / os.path.dirname(name), exist_ok=True)
+        shutil.copy2(os.path.join(ROOT, name), source / name)
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                    "--no-build-isolation", "-w", str(out), str(source)],
+                   check=True, timeout=600, capture_output=True)
+    (path,) = out.glob("dptc-*.whl")
+    return path
+
+
+def test_wheel_holds_every_module(wheel):
+    names = set(zipfile.ZipFile(wheel).namelist())
+    missing = sorted(_source_modules() - names)
+    assert missing == []
+    assert any(n.startswith("dptc/_C.") and n.endswith(".so") for n in names)
+
+
+def test_installed_wheel_imports_without_the_checkout(wheel, tmp_path):
+    zipfile.ZipFile(wheel).extractall(tmp_path)
+    torch_site = os.path.dirname(os.path.dirname(__import__("torch").__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), torch_site]))
+    probe = ("import dptc, torch\n"
+             "m = torch.nn.Linear(4, 4)\n"
+             "dptc.fully_shard(m)\n"
+             "m(torch.ones(2, 4)).sum().backward()\n"
+             "print(dptc.__file__, type(m).__name__, type(dptc.FSDP).__name__)\n"
+             "dptc.destroy_process_group()\n")
+    result = subprocess.run([sys.executable, "-S", "-c", probe], cwd=str(tmp_path), env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    path, cls, fsdp1 = result.stdout.split()
+    assert path == str(tmp_path / "dptc" / "__init__.py")
+    assert cls == "FSDPLinear"
+    assert fsdp1 == "type"
