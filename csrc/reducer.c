@@ -107,6 +107,21 @@
  * runs the callback with no hook seen: it leaves the step expecting the
  * next backward.
  *
+ * [Note: one backward per forward]
+ * A synced forward's gradients are averaged at the end of the first
+ * backward that reaches its parameters.  A second backward through the same
+ * forward's outputs (backward twice over one loss with retain_graph=True,
+ * or one backward per output) adds gradients that would stay local, and the
+ * replicas drift apart: torch's DDP raises for some of these ("marked as
+ * ready twice", or an internal error under find_unused_parameters) and
+ * leaves the others silently unaveraged.  The output pre-hook (see [Note:
+ * where finalize runs]) firing after its forward's reduction marks the
+ * backward running now as late, until a callback queued on it clears the
+ * mark at its end; a gradient hook in a late backward raises on every rank.
+ * Not late: a backward that reaches the outputs but no parameter
+ * (torch.autograd.grad), which leaves the step expecting, and a backward
+ * through the unwrapped module (ddp.module), which has no such pre-hook.
+ *
  * [Note: static graph]
  * static_graph=True promises that every synced backward fires the same
  * hooks: the same parameters unused, and each used one the same number of
@@ -276,6 +291,10 @@ struct ReducerObject {
     Py_ssize_t *order;
     Py_ssize_t norder;
     int order_recorded;        /* a synced backward completed; order is final */
+
+    /* A second backward through one forward: [Note: one backward per forward] */
+    int reduced;               /* the last synced forward's backward was reduced */
+    int late;                  /* a backward through that forward's outputs runs now */
 
     /* Counters, for tests and benchmarks */
     long long steps;
@@ -917,12 +936,34 @@ static PyObject *static_graph_changed(ReducerObject *r, param_slot *s)
     return NULL;
 }
 
+/* A gradient in a backward through the outputs of a forward already
+ * reduced: see [Note: one backward per forward].  Aborts the group, raises
+ * RuntimeError and returns NULL. */
+static PyObject *late_gradient(ReducerObject *r, param_slot *s)
+{
+    r->late = 0;
+    PyErr_Format(PyExc_RuntimeError,
+                 "DistributedDataParallel: parameter '%U' received a gradient in a second "
+                 "backward pass through the outputs of one forward, after that forward's "
+                 "gradients were averaged; this gradient would stay on this rank and the "
+                 "replicas would drift apart.  Run backward() once per forward: sum the "
+                 "losses (e.g. (loss_a + loss_b).backward() instead of a backward per loss, "
+                 "or one backward instead of two with retain_graph=True), or run forward "
+                 "again before the next backward.  The process group has been aborted so "
+                 "that every rank raises.", s->name);
+    step_abort(r, "DistributedDataParallel: a rank ran a second backward pass through the "
+                  "outputs of one forward");
+    return NULL;
+}
+
 /* The hook: param's gradient has been accumulated.  GIL held.
  * Returns a new reference (None) or NULL. */
 static PyObject *reducer_on_gradient(ReducerObject *r, Py_ssize_t index)
 {
     param_slot *s = &r->slots[index];
     if (r->state == STEP_IDLE) {
+        if (r->late)
+            return late_gradient(r, s);
         /* no_sync: .grad accumulates locally; only usage is recorded. */
         if ((r->find_unused || r->static_graph) && !s->used) {
             PyObject *grad = PyObject_GetAttrString(s->param, "grad");
@@ -1708,6 +1749,8 @@ static PyObject *reducer_prepare_for_backward(PyObject *op, PyObject *args)
     }
     r->state = sync ? STEP_EXPECTING : STEP_IDLE;
     r->scale = sync ? scale : 1.0;
+    r->reduced = 0;
+    r->late = 0;
     Py_RETURN_NONE;
 }
 
@@ -1790,6 +1833,7 @@ static PyObject *finalize_step(ReducerObject *r)
     }
     r->steps++;
     step_end(r);
+    r->reduced = 1;  /* [Note: one backward per forward] */
     Py_RETURN_NONE;
 }
 
@@ -1809,6 +1853,22 @@ static PyObject *reducer_expect_finalize(PyObject *op, PyObject *Py_UNUSED(args)
     ReducerObject *r = (ReducerObject *)op;
     if (r->state == STEP_EXPECTING && queue_finalize(r) != DPTC_OK)
         return NULL;
+    if (r->state == STEP_IDLE && r->reduced && !r->late) {
+        /* See [Note: one backward per forward]. */
+        PyObject *end = PyObject_GetAttrString(op, "_end_late_backward");
+        PyObject *queued = end ? PyObject_CallOneArg(r->queue_callback, end) : NULL;
+        Py_XDECREF(end);
+        if (!queued)
+            return NULL;
+        Py_DECREF(queued);
+        r->late = 1;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *reducer_end_late_backward(PyObject *op, PyObject *Py_UNUSED(ignored))
+{
+    ((ReducerObject *)op)->late = 0;
     Py_RETURN_NONE;
 }
 
@@ -1974,6 +2034,9 @@ static PyMethodDef reducer_methods[] = {
     {"_finalize", reducer_finalize, METH_NOARGS, finalize_doc},
     {"_expect_finalize", reducer_expect_finalize, METH_VARARGS, expect_finalize_doc},
     {"_note_sparse_gradient", reducer_note_sparse, METH_NOARGS, note_sparse_doc},
+    {"_end_late_backward", reducer_end_late_backward, METH_NOARGS,
+     "_end_late_backward()\n--\n\nCallback at the end of a backward through the outputs of "
+     "a forward already\nreduced (see [Note: one backward per forward]).  Returns None."},
     {NULL, NULL, 0, NULL},
 };
 
