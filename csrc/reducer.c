@@ -1023,6 +1023,21 @@ static PyObject *reducer_on_gradient(ReducerObject *r, Py_ssize_t index)
     Py_RETURN_NONE;
 }
 
+/* Whether slot s's parameter requires a gradient now (it did when the
+ * reducer was built); for error messages.  GIL held. */
+static dptc_status slot_requires_grad(const param_slot *s, int *out)
+{
+    PyObject *flag = PyObject_GetAttrString(s->param, "requires_grad");
+    if (!flag)
+        return DPTC_ERR_PYTHON;
+    int truth = PyObject_IsTrue(flag);
+    Py_DECREF(flag);
+    if (truth < 0)
+        return DPTC_ERR_PYTHON;
+    *out = truth;
+    return DPTC_OK;
+}
+
 /* Without find_unused_parameters: every parameter must have been ready.
  * Returns DPTC_OK, or DPTC_ERR_PYTHON with RuntimeError set after aborting
  * the group.  See [Note: unused parameters]. */
@@ -1036,15 +1051,28 @@ static dptc_status check_all_ready(ReducerObject *r)
     char reason[DPTC_ERROR_MAX] = "DistributedDataParallel: a rank had parameters without a "
                                   "gradient; pass find_unused_parameters=True";
     PyObject *names = NULL, *separator = NULL, *joined = NULL, *message = NULL;
+    PyObject *frozen = NULL, *frozen_joined = NULL;
     names = PyList_New(0);
-    if (!names)
+    frozen = PyList_New(0);
+    if (!names || !frozen)
         goto exit;
-    for (Py_ssize_t i = 0; i < r->nslots && PyList_GET_SIZE(names) < MAX_NAMES_IN_ERROR; i++)
-        if (!r->slots[i].ready && PyList_Append(names, r->slots[i].name) < 0)
+    for (Py_ssize_t i = 0; i < r->nslots; i++) {
+        if (r->slots[i].ready)
+            continue;
+        if (PyList_GET_SIZE(names) < MAX_NAMES_IN_ERROR &&
+            PyList_Append(names, r->slots[i].name) < 0)
             goto exit;
+        int wants_grad = 1;
+        if (slot_requires_grad(&r->slots[i], &wants_grad) != DPTC_OK)
+            goto exit;
+        if (!wants_grad && PyList_GET_SIZE(frozen) < MAX_NAMES_IN_ERROR &&
+            PyList_Append(frozen, r->slots[i].name) < 0)
+            goto exit;
+    }
     separator = PyUnicode_FromString(", ");
     joined = separator ? PyUnicode_Join(separator, names) : NULL;
-    if (!joined)
+    frozen_joined = joined ? PyUnicode_Join(separator, frozen) : NULL;
+    if (!frozen_joined)
         goto exit;
     int rank = -1;
     dptc_group *g = dptc_group_from_object(reducer_state(r), r->group, "process_group");
@@ -1063,6 +1091,16 @@ static dptc_status check_all_ready(ReducerObject *r)
             "find_unused_parameters=True if the set of used parameters changes).  The process "
             "group has been aborted so that every rank raises.",
             missing, rank, joined, more_text);
+    else if (PyList_GET_SIZE(frozen) > 0)
+        message = PyUnicode_FromFormat(
+        "DistributedDataParallel: %zd parameter(s) did not receive a gradient in this backward "
+        "pass on rank %d: %U%s.  Of these, %U had requires_grad=True when "
+        "DistributedDataParallel was constructed and have requires_grad=False now; it reduces "
+        "the parameters that required a gradient at construction, as torch's does.  Freeze "
+        "parameters before wrapping the module (or wrap it again after freezing), or pass "
+        "find_unused_parameters=True.  The process group has been aborted so that every rank "
+        "raises.",
+        missing, rank, joined, more_text, frozen_joined);
     else
         message = PyUnicode_FromFormat(
         "DistributedDataParallel: %zd parameter(s) did not receive a gradient in this backward "
@@ -1070,7 +1108,9 @@ static dptc_status check_all_ready(ReducerObject *r)
         "in computing the loss; if some legitimately do not (control flow, unused branches, "
         "forward outputs left out of the loss), pass find_unused_parameters=True to "
         "DistributedDataParallel, or set requires_grad=False on parameters that are never "
-        "trained.  The process group has been aborted so that every rank raises.",
+        "trained before wrapping the module.  If the loss is split over several backward() "
+        "calls for one forward, sum the losses and call backward() once.  The process group "
+        "has been aborted so that every rank raises.",
         missing, rank, joined, more_text);
     const char *text = message ? PyUnicode_AsUTF8(message) : NULL;
     if (!text)
@@ -1081,8 +1121,10 @@ exit:
     /* Whatever failed above, the peers must not wait for our buckets. */
     step_abort(r, reason);
     Py_XDECREF(message);
+    Py_XDECREF(frozen_joined);
     Py_XDECREF(joined);
     Py_XDECREF(separator);
+    Py_XDECREF(frozen);
     Py_XDECREF(names);
     return DPTC_ERR_PYTHON;
 }

@@ -25,7 +25,10 @@ Errors, dptc against torch:
   one loss with retain_graph=True) raises RuntimeError on every rank, naming the parameter
   and the remedy.  torch raises for the first (an internal error under
   find_unused_parameters) and silently leaves the second backward's gradients unaveraged, so
-  its replicas drift apart (checked: over 0.1 relative).
+  its replicas drift apart (checked: over 0.1 relative);
+- a parameter frozen after wrapping, without find_unused_parameters, raises RuntimeError (as
+  torch's does, one step later) naming it and saying that its requires_grad changed after
+  construction.
 """
 
 import pytest
@@ -44,7 +47,8 @@ TRAINING = ["gan", "zero", "out_dict_aux", "out_dict_fu", "out_dict_fu_aux",
             "local_after_step"]
 BEYOND_TORCH = ["out_dataclass_fu"]
 # Cases where dptc raises; torch's outcome is checked in test_torch_reference_of_the_errors.
-FAILING = ["two_backwards_fu", "retain_twice", "retain_twice_fu"]
+FAILING = ["two_backwards_fu", "retain_twice", "retain_twice_fu", "freeze_after",
+           "two_backwards"]
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +94,8 @@ def test_torch_reference_of_the_errors(runs):
     for rank in range(WORLD):
         results = torch_results[rank]
         assert "RuntimeError" in results["two_backwards_fu"]["error"], results["two_backwards_fu"]
+        assert "marked as ready twice" in results["two_backwards"]["error"]
+        assert "Expected to have finished reduction" in results["freeze_after"]["error"]
     for name in ("retain_twice", "retain_twice_fu"):   # torch trains, but each rank its own way
         assert max_rel(torch_results[0][name]["params"], torch_results[1][name]["params"]) > 0.1
 
@@ -110,4 +116,24 @@ def test_second_backward_through_one_forward_raises(case, parameter):
         assert (f"parameter '{parameter}' received a gradient in a second backward pass "
                 f"through the outputs of one forward") in result["error"], result
         assert "Run backward() once per forward" in result["error"], result
+        assert result["exitcode"] == 1, result
+
+
+def test_parameter_frozen_after_wrapping_is_named():
+    for rank, result in enumerate(_failure("freeze_after")):
+        assert result["error_type"] == "RuntimeError", (rank, result)
+        assert (f"did not receive a gradient in this backward pass on rank {rank}: "
+                f"0.weight, 0.bias.  Of these, 0.weight, 0.bias had requires_grad=True when "
+                f"DistributedDataParallel was constructed and have requires_grad=False now"
+                ) in result["error"], result
+        assert "Freeze parameters before wrapping the module" in result["error"], result
+        assert result["exitcode"] == 1, result
+
+
+def test_loss_split_over_backward_calls_is_named():
+    for rank, result in enumerate(_failure("two_backwards")):
+        assert result["error_type"] == "RuntimeError", (rank, result)
+        assert "aux.weight, aux.bias" in result["error"], result
+        assert ("If the loss is split over several backward() calls for one forward, sum the "
+                "losses and call backward() once") in result["error"], result
         assert result["exitcode"] == 1, result
