@@ -520,6 +520,111 @@ def local_after_step(impl, rank):
     return _result(losses, model)
 
 
+def encoder_decoder(impl, rank):
+    """Two DDPs (an encoder and a decoder) trained by one loss, one backward, one optimizer."""
+    DDP = _ddp_class(impl)
+    torch.manual_seed(SEED)
+    enc = DDP(nn.Sequential(nn.Linear(8, 16), nn.Tanh()))
+    dec = DDP(nn.Linear(16, 8))
+    opt = torch.optim.Adam(list(enc.parameters()) + list(dec.parameters()), lr=1e-2)
+    losses = []
+    for step in range(STEPS):
+        x, _ = _batch(step, rank)
+        loss = F.mse_loss(dec(enc(x)), x)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    params = {**{f"e.{k}": v for k, v in _flat(enc.named_parameters()).items()},
+              **{f"d.{k}": v for k, v in _flat(dec.named_parameters()).items()}}
+    return {"losses": losses, "params": params}
+
+
+def _clip_view(set_to_none):
+    def case(impl, rank):
+        """clip_grad_norm_ on gradients that are views of the buckets, SGD with momentum."""
+        model = _ddp_class(impl)(_mlp(), gradient_as_bucket_view=True)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-1, momentum=0.9)
+        losses, norms = [], []
+        for step in range(STEPS + 1):
+            x, y = _batch(step, rank)
+            loss = F.cross_entropy(model(x), y) * 10
+            opt.zero_grad(set_to_none=set_to_none)
+            loss.backward()
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5).item())
+            opt.step()
+            losses.append(loss.item())
+        return _result(losses, model, norms=norms)
+    return case
+
+
+def _gan_pair(impl):
+    DDP = _ddp_class(impl)
+    torch.manual_seed(SEED)
+    gen = DDP(nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8)))
+    disc = DDP(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)))
+    return gen, disc
+
+
+def _gan_params(gen, disc):
+    return {**{f"g.{k}": v for k, v in _flat(gen.named_parameters()).items()},
+            **{f"d.{k}": v for k, v in _flat(disc.named_parameters()).items()}}
+
+
+def dcgan(impl, rank):
+    """The DCGAN example's order: a backward per discriminator forward (real, then detached
+    fakes), the discriminator's step, then the generator's loss through the discriminator."""
+    gen, disc = _gan_pair(impl)
+    opt_g = torch.optim.Adam(gen.parameters(), lr=1e-2, betas=(0.5, 0.999))
+    opt_d = torch.optim.Adam(disc.parameters(), lr=1e-2, betas=(0.5, 0.999))
+    losses = []
+    for step in range(STEPS):
+        generator = torch.Generator().manual_seed(SEED + step * 13 + rank)
+        real = torch.randn(ROWS, 8, generator=generator) + 1.0
+        noise = torch.randn(ROWS, 4, generator=generator)
+        disc.zero_grad()
+        err_real = F.binary_cross_entropy_with_logits(disc(real), torch.ones(ROWS, 1))
+        err_real.backward()
+        fake = gen(noise)
+        err_fake = F.binary_cross_entropy_with_logits(disc(fake.detach()), torch.zeros(ROWS, 1))
+        err_fake.backward()
+        opt_d.step()
+        gen.zero_grad()
+        err_g = F.binary_cross_entropy_with_logits(disc(fake), torch.ones(ROWS, 1))
+        err_g.backward()
+        opt_g.step()
+        losses += [err_real.item(), err_fake.item(), err_g.item()]
+    return {"losses": losses, "params": _gan_params(gen, disc)}
+
+
+def wgan_gp(impl, rank):
+    """WGAN-GP: three critic forwards (real, fake, interpolates), the gradient penalty from
+    torch.autograd.grad(create_graph=True), one backward."""
+    gen, disc = _gan_pair(impl)
+    opt_g = torch.optim.Adam(gen.parameters(), lr=1e-3, betas=(0.5, 0.9))
+    opt_d = torch.optim.Adam(disc.parameters(), lr=1e-3, betas=(0.5, 0.9))
+    losses = []
+    for step in range(STEPS):
+        generator = torch.Generator().manual_seed(SEED + step * 13 + rank)
+        real = torch.randn(ROWS, 8, generator=generator) + 1.0
+        noise = torch.randn(ROWS, 4, generator=generator)
+        alpha = torch.rand(ROWS, 1, generator=generator)
+        fake = gen(noise).detach()
+        interp = (alpha * real + (1 - alpha) * fake).requires_grad_(True)
+        (grads,) = torch.autograd.grad(disc(interp).sum(), interp, create_graph=True)
+        penalty = ((grads.norm(2, dim=1) - 1) ** 2).mean()
+        d_loss = disc(fake).mean() - disc(real).mean() + 10 * penalty
+        opt_d.zero_grad()
+        d_loss.backward()
+        opt_d.step()
+        g_loss = -disc(gen(noise)).mean()
+        opt_g.zero_grad()
+        g_loss.backward()
+        opt_g.step()
+        losses += [d_loss.item(), g_loss.item()]
+    return {"losses": losses, "params": _gan_params(gen, disc)}
+
+
 CASES = {
     "gan": gan,
     "zero": zero,
@@ -546,6 +651,11 @@ CASES = {
     "retain_twice": _retain_twice(False),
     "retain_twice_fu": _retain_twice(True),
     "local_after_step": local_after_step,
+    "encoder_decoder": encoder_decoder,
+    "clip_view": _clip_view(True),
+    "clip_view_zeros": _clip_view(False),
+    "dcgan": dcgan,
+    "wgan_gp": wgan_gp,
 }
 
 
