@@ -7,19 +7,20 @@ GANs, each network its own DDP and optimizer (the discriminator step on detached
 generator step through both; the DCGAN example's order, a backward per discriminator forward;
 WGAN-GP, whose gradient penalty runs torch.autograd.grad(create_graph=True) through the critic
 before the one backward of three critic forwards); an encoder and a decoder, two DDPs under one
-loss and one backward; ZeroRedundancyOptimizer; forward returning a dict, a namedtuple, a
-dataclass or a tuple with non-tensors, with only some outputs in the loss
-(find_unused_parameters) or all of them; two forwards (two views of the batch) before one
-backward; a no_grad or inference_mode evaluation in eval mode between steps, and one with grad
-enabled and no backward, with BatchNorm buffers (broadcast_buffers on and off);
-DistributedSampler with set_epoch and drop_last; model.module and the state_dict keys; a
+loss and one backward; ZeroRedundancyOptimizer, also with parameters_as_bucket_view over
+bucket-view gradients; an EMA through torch.optim.swa_utils.AveragedModel over the wrapper;
+forward returning a dict, a namedtuple, a dataclass or a tuple with non-tensors, with only some
+outputs in the loss (find_unused_parameters) or all of them; two forwards (two views of the
+batch) before one backward; a no_grad or inference_mode evaluation in eval mode between steps,
+and one with grad enabled and no backward, with BatchNorm buffers (broadcast_buffers on and
+off); DistributedSampler with set_epoch and drop_last; model.module and the state_dict keys; a
 backbone frozen after wrapping (with find_unused_parameters) and a layer unfrozen after
 wrapping (its gradients stay local under both); clip_grad_norm_, also over gradients that are
 bucket views (gradient_as_bucket_view, zero_grad with and without set_to_none, momentum);
-weight_norm and spectral_norm parametrizations; a module called twice in forward; the tutorial's checkpoint
-(rank 0 saves ddp.state_dict(), a barrier, every rank loads it with map_location and trains on);
-a forward with keyword arguments; after a synced backward, torch.autograd.grad through the
-outputs and a local term through ddp.module.
+weight_norm and spectral_norm parametrizations; a module called twice in forward; the
+tutorial's checkpoint (rank 0 saves ddp.state_dict(), a barrier, every rank loads it with
+map_location and trains on); a forward with keyword arguments; after a synced backward,
+torch.autograd.grad through the outputs and a local term through ddp.module.
 
 Beyond torch: a dataclass output with find_unused_parameters=True, where torch's DDP cannot see
 the tensors and raises, trains to torch's numbers for the same model returning a namedtuple.
@@ -49,7 +50,7 @@ TRAINING = ["gan", "zero", "out_dict_aux", "out_dict_fu", "out_dict_fu_aux",
             "eval_grad", "inference", "sampler", "module_access", "freeze_after_fu",
             "unfreeze_after", "clip", "normed", "used_twice", "checkpoint", "kwargs_forward",
             "local_after_step", "encoder_decoder", "clip_view", "clip_view_zeros", "dcgan",
-            "wgan_gp"]
+            "wgan_gp", "swa_ema", "zero_bucket_view"]
 BEYOND_TORCH = ["out_dataclass_fu"]
 # Cases where dptc raises; torch's outcome is checked in test_torch_reference_of_the_errors.
 FAILING = ["two_backwards_fu", "retain_twice", "retain_twice_fu", "freeze_after",

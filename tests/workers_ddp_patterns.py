@@ -625,6 +625,46 @@ def wgan_gp(impl, rank):
     return {"losses": losses, "params": _gan_params(gen, disc)}
 
 
+def swa_ema(impl, rank):
+    """An exponential moving average of the DDP model with torch.optim.swa_utils.AveragedModel
+    (over the wrapper, which it deep-copies), evaluated each step."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+    model = _ddp_class(impl)(BNNet())
+    ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=True)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-1)
+    losses, evals = [], []
+    for step in range(STEPS):
+        x, y = _batch(step, rank)
+        loss = F.cross_entropy(model(x * (1 + rank)), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        ema.update_parameters(model)
+        losses.append(loss.item())
+        ema.eval()
+        with torch.no_grad():
+            evals.append(F.cross_entropy(ema(x), y).item())
+    return _result(losses, model, evals=evals, ema=_flat(ema.named_parameters()))
+
+
+def zero_bucket_view(impl, rank):
+    """ZeroRedundancyOptimizer(parameters_as_bucket_view=True) with a DDP whose gradients are
+    bucket views."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    model = _ddp_class(impl)(_mlp(), gradient_as_bucket_view=True)
+    opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam,
+                                  parameters_as_bucket_view=True, lr=1e-2)
+    losses = []
+    for step in range(STEPS):
+        x, y = _batch(step, rank)
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return _result(losses, model)
+
+
 CASES = {
     "gan": gan,
     "zero": zero,
@@ -656,6 +696,8 @@ CASES = {
     "clip_view_zeros": _clip_view(False),
     "dcgan": dcgan,
     "wgan_gp": wgan_gp,
+    "swa_ema": swa_ema,
+    "zero_bucket_view": zero_bucket_view,
 }
 
 
