@@ -20,7 +20,9 @@ bucket views (gradient_as_bucket_view, zero_grad with and without set_to_none, m
 weight_norm and spectral_norm parametrizations; a module called twice in forward; the
 tutorial's checkpoint (rank 0 saves ddp.state_dict(), a barrier, every rank loads it with
 map_location and trains on); a forward with keyword arguments; after a synced backward,
-torch.autograd.grad through the outputs and a local term through ddp.module.
+torch.autograd.grad through the outputs and a local term through ddp.module; a top-1 mixture of
+experts with find_unused_parameters, its load-balancing loss kept on the module and added
+outside forward.
 
 Beyond torch: a dataclass output with find_unused_parameters=True, where torch's DDP cannot see
 the tensors and raises, trains to torch's numbers for the same model returning a namedtuple.
@@ -50,7 +52,7 @@ TRAINING = ["gan", "zero", "out_dict_aux", "out_dict_fu", "out_dict_fu_aux",
             "eval_grad", "inference", "sampler", "module_access", "freeze_after_fu",
             "unfreeze_after", "clip", "normed", "used_twice", "checkpoint", "kwargs_forward",
             "local_after_step", "encoder_decoder", "clip_view", "clip_view_zeros", "dcgan",
-            "wgan_gp", "swa_ema", "zero_bucket_view"]
+            "wgan_gp", "swa_ema", "zero_bucket_view", "moe"]
 BEYOND_TORCH = ["out_dataclass_fu"]
 # Cases where dptc raises; torch's outcome is checked in test_torch_reference_of_the_errors.
 FAILING = ["two_backwards_fu", "retain_twice", "retain_twice_fu", "freeze_after",

@@ -665,6 +665,45 @@ def zero_bucket_view(impl, rank):
     return _result(losses, model)
 
 
+class TinyMoE(nn.Module):
+    """Top-1 routing over four experts, whose load-balancing loss is kept on the module
+    (self.aux_loss) and added to the loss outside forward, as MoE layers do; an expert no
+    row is routed to gets no gradient."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(SEED)
+        self.router = nn.Linear(8, 4)
+        self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+        self.head = nn.Linear(8, 4)
+        self.aux_loss = None
+
+    def forward(self, x):
+        probs = self.router(x).softmax(-1)
+        choice = probs.argmax(-1)
+        out = torch.zeros_like(x)
+        for k, expert in enumerate(self.experts):
+            rows = choice == k
+            if rows.any():
+                out[rows] = expert(x[rows]) * probs[rows, k:k + 1]
+        self.aux_loss = 4 * (probs.mean(0) ** 2).sum()
+        return self.head(out)
+
+
+def moe(impl, rank):
+    model = _ddp_class(impl)(TinyMoE(), find_unused_parameters=True)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-1)
+    losses = []
+    for step in range(STEPS):
+        x, y = _batch(step, rank, rows=3)
+        loss = F.cross_entropy(model(x), y) + 0.1 * model.module.aux_loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return _result(losses, model)
+
+
 CASES = {
     "gan": gan,
     "zero": zero,
@@ -698,6 +737,7 @@ CASES = {
     "wgan_gp": wgan_gp,
     "swa_ema": swa_ema,
     "zero_bucket_view": zero_bucket_view,
+    "moe": moe,
 }
 
 
