@@ -235,6 +235,38 @@ def test_memory_between_steps(impl):
         assert result["held"] >= 0.95 * 4 * result["padded_share"], result
 
 
+def test_memory_at_the_reduction():
+    """A unit's backward peaks at its reduction (see [Note: memory at the reduction] in
+    dptc/fsdp/_state.py).  One unit (the root) of two Linears, P = 2 MiB unsharded, 2 ranks,
+    measured as the rise of torch's allocator total within a step over its value when the
+    step began (profiler), which holds the last step's sharded gradients (P/2, freed by
+    zero_grad).  The backward holds the unsharded parameters and the gradients (2P); at the
+    reduction the parameters are freed first, the gradients are laid out into the
+    reduce-scatter's input (P) and freed, then the output (P/2) is made: the rise is at most
+    2P - P/2, plus activations (32 KiB here; measured 1.516P).  Holding the parameters and
+    gradients through the reduction made it 3.0P with the input staged
+    (DPTC_FSDP_SHARED_REDUCE=0: every byte an allocator tensor), above torch's fully_shard
+    (2.5P or 3.5P by rank: its gloo reduce-scatter clones the input), and 2.0P on the
+    default path, whose input lies in the shared reduce ring, outside the allocator."""
+    runs = {name: run_ranks("tests.workers_fsdp:reduction_memory_case", 2,
+                            args={"impl": impl}, env=env, timeout=LAUNCH_TIMEOUT_S,
+                            reference=impl == "torch")
+            for name, impl, env in (("torch", "torch", None),
+                                    ("staged", "dptc", {"DPTC_FSDP_SHARED_REDUCE": "0"}),
+                                    ("shared", "dptc", None))}
+    for theirs, staged, shared in zip(runs["torch"], runs["staged"], runs["shared"]):
+        P = staged["unsharded"]
+        bound = 2 * P - P // 2 + 64 * 1024
+        ratios = {name: run["peak"] / P for name, run in
+                  (("torch", theirs), ("staged", staged), ("shared", shared))}
+        assert staged["peak"] <= bound, ratios
+        assert staged["peak"] <= theirs["peak"], ratios
+        # The ring holds the input (P); the allocator's peak is the same as staged.
+        assert shared["ring"] == P, shared["ring"]
+        assert shared["peak"] <= bound, ratios
+        assert staged["params"] == shared["params"] == theirs["params"]
+
+
 def test_hsdp_layout():
     """HSDP parameters are placed (Replicate(), Shard(0)), as torch's are."""
     for mine, theirs in zip(_scenario("dptc", 4, "gpt_hsdp"), _scenario("torch", 4, "gpt_hsdp")):

@@ -28,8 +28,8 @@ import torch.nn as nn
 from examples.gpt import build_gpt
 from tests._rank import load_impl
 
-__all__ = ["train_cases", "memory_case", "methods_case", "staging_case", "ring_case",
-           "all_reduce_hook_case", "frozen_reduce_case", "recast_case", "max_rel"]
+__all__ = ["train_cases", "memory_case", "reduction_memory_case", "methods_case",
+           "staging_case", "ring_case", "all_reduce_hook_case", "frozen_reduce_case", "recast_case", "max_rel"]
 
 SEED = 4321
 LR = 1e-3
@@ -431,6 +431,66 @@ def memory_case(impl):
     # AdamW's step counters are 0-dim tensors, one per parameter.
     steps = sum(1 for _ in model.parameters()) * 4
     return {"held": held, "full": full, "padded_share": padded, "step_bytes": steps,
+            "rank": rank}
+
+
+def _step_peak(step):
+    """The highest rise of torch's CPU allocator total within step() over its value when
+    step() began (torch.profiler(profile_memory=True); the second of two profiled steps)."""
+    import json
+    import tempfile
+    from torch.profiler import ProfilerActivity, profile, record_function
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+        with record_function("measured_step"):
+            step()
+    with tempfile.NamedTemporaryFile(suffix=".json") as trace:
+        prof.export_chrome_trace(trace.name)
+        with open(trace.name) as f:
+            events = json.load(f)["traceEvents"]
+    span = next(e for e in events if e.get("name") == "measured_step" and e.get("ph") == "X")
+    begin, end = span["ts"], span["ts"] + span["dur"]
+    memory = sorted((e["ts"], e["args"]["Total Allocated"]) for e in events
+                    if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0)
+    before = [total for ts, total in memory if ts < begin]
+    start = before[-1] if before else 0
+    return max([start] + [total for ts, total in memory if begin <= ts <= end]) - start
+
+
+def reduction_memory_case(impl):
+    """The in-step peak of a one-unit model (fully_shard on the root only, two bias-free
+    float32 Linears of 256 x 1024: 2 MiB unsharded, no prefetch, tiny activations), as the
+    rise of torch's allocator total over the step, and the bytes a dptc reduction lays its
+    input out in when that input lies in the shared reduce ring (outside the allocator)."""
+    api = load_impl(impl)
+    rank = api.get_rank()
+    if impl == "dptc":
+        import dptc as fsdp
+    else:
+        import torch.distributed.fsdp as fsdp
+    torch.manual_seed(SEED)
+    model = nn.Sequential(nn.Linear(256, 1024, bias=False), nn.ReLU(),
+                          nn.Linear(1024, 256, bias=False))
+    unsharded = sum(p.numel() * p.element_size() for p in model.parameters())
+    fsdp.fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    inputs = torch.randn(8, 256, generator=torch.Generator().manual_seed(SEED + rank))
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        model(inputs).square().mean().backward()
+        opt.step()
+
+    step()
+    peak = _step_peak(step)
+    ring = 0
+    if impl == "dptc":
+        state = model.__dict__["_dptc_fsdp_state"]
+        ring = max((memoryview(ring.buffers[0]).nbytes for ring in state.rings.values()),
+                   default=0)
+    params = [p.detach().full_tensor().tolist() for p in model.parameters()]
+    _finish(impl)
+    return {"peak": peak, "unsharded": unsharded, "ring": ring, "params": params,
             "rank": rank}
 
 

@@ -291,11 +291,33 @@ class State:
         index = order.index(self)
         return order[index - 1:index] if index > 0 else []
 
+    # [Note: memory at the reduction]
+    # A unit's post-backward is where its backward's memory peaks: its gradients are complete
+    # and the reduce-scatter's input (the gradients laid out by rank, in the reduce dtype) and
+    # output (this rank's piece) are made.  As torch's fully_shard does, the unit reshards
+    # first, so its unsharded parameters are freed before the input is laid out, and the
+    # gradients are dropped once laid out, before the output is allocated; FSDP1's
+    # BACKWARD_POST prefetch gathers the next unit after the reshard too.  Held together
+    # instead, they added the unit's unsharded parameters and its gradients to the peak: in
+    # benchmarks/fsdp_step.py a block's 3 MiB of parameters at each block's reduction, the
+    # step's peak (43.0 MiB of live tensors, the shared reduce ring counted; 42.2 now); in
+    # test_fsdp.py's test_memory_at_the_reduction 3.0 unsharded sizes of rise with the input
+    # staged, 1.5 now.
+
     def _post_backward(self, unit):
+        if self.reduce_scatter_unused_params:
+            if self.prefetch_after_backward:
+                self._prefetch_backward()
+            return   # reduced at the end of backward, with the others' order
+        # Resharded before the prefetch and the reduction, as torch's fully_shard and FSDP1
+        # do: see [Note: memory at the reduction].
+        if self.reshard_after_backward:
+            if self.inputs_pending:
+                self.reshard_deferred = True   # see [Note: frozen parameters in backward]
+            else:
+                unit.reshard()
         if self.prefetch_after_backward:
             self._prefetch_backward()
-        if self.reduce_scatter_unused_params:
-            return   # reduced at the end of backward, with the others' order
         if self.requires_gradient_sync:
             # One reduction in flight besides this one: the older one's input (a unit's
             # gradients) is released now, not at the end of backward.
@@ -304,11 +326,6 @@ class State:
                 root._finish(root.reducing[0])
             unit.reduce(self.requires_all_reduce, self._shared_input)
             root.reducing.append(self)
-        if self.reshard_after_backward:
-            if self.inputs_pending:
-                self.reshard_deferred = True   # see [Note: frozen parameters in backward]
-            else:
-                unit.reshard()
         if not self.requires_gradient_sync:
             unit.accumulate_unsynced()
 
@@ -331,13 +348,13 @@ class State:
                 if unit is None:
                     continue
                 unused = state.reduce_scatter_unused_params
+                if state.reshard_after_backward:   # first, see [Note: memory at the reduction]
+                    unit.reshard()
                 if state.requires_gradient_sync and (unused or unit.has_unsharded_grads()):
                     unit.reduce(state.requires_all_reduce, unused=unused)
                 elif not state.requires_gradient_sync:
                     unit.accumulate_unsynced()
                 unit.finish_reduce(state.requires_all_reduce)
-                if state.reshard_after_backward:
-                    unit.reshard()
         finally:
             self.in_backward = False
             for ring in self.rings.values():

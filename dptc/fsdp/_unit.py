@@ -870,6 +870,9 @@ class Unit:
             else:
                 source = torch.empty((size, numel), dtype=dtype, device=self.device)
             _lay_out(grads, source, offsets)
+            # The gradients are copied in: freed before the output is allocated (see [Note:
+            # memory at the reduction] in _state.py).
+            taken = grads = grad = None
             # Over one rank the input is the output, which the transport leaves in place.
             output = source.view(-1) if size == 1 else \
                 torch.empty(numel, dtype=bucket.reduce_dtype, device=self.device)
