@@ -31,7 +31,9 @@ Without the torchrun environment the script starts its ranks itself, one launch 
    minus the baseline, the bytes of all live tensors between steps (gc, every distinct storage,
    DTensors by their local tensor), and the peak of live tensor bytes inside a step, from two
    steps under torch.profiler(profile_memory=True): between-step bytes plus the highest
-   "Total Allocated" in the second step over its value when that step began.  The step times
+   "Total Allocated" in the second step over its value when that step began, plus, for dptc's
+   fully_shard, its shared reduce ring, which holds the reductions' inputs outside torch's
+   allocator (reduce_ring_bytes; before 2026-12-04 it was left out).  The step times
    of these launches, the median of --memory-steps steps before the sampler starts ("alone")
    and while it runs ("sampled"), are for reference: not interleaved, so noise is not shared.
 
@@ -396,6 +398,20 @@ def step_peak_allocated(step, trace_path):
     return max([start] + inside) - start
 
 
+def reduce_ring_bytes(model):
+    """Bytes of dptc fully_shard's shared reduce ring (two buffers per shard group and reduce
+    dtype, see [Note: reduce inputs in shared memory] in dptc/fsdp/_unit.py): the reductions'
+    inputs lie there, outside torch's allocator, so neither the profiler nor tensor_bytes()
+    sees them.  The ring keeps its pages from step to step, so all of it is counted as live
+    throughout a step (an upper bound: a buffer holds a reduction's input from its layout to
+    its end)."""
+    state = model.__dict__.get("_dptc_fsdp_state")
+    if state is None:
+        return 0
+    return sum(memoryview(buffer).nbytes for ring in state.root.rings.values()
+               for buffer in ring.buffers)
+
+
 # ---------------------------------------------------------------------------------------------
 # Rank side
 
@@ -508,12 +524,13 @@ def memory_role(args):
     dist.barrier()
     trace = os.path.join(args.out or tempfile.gettempdir(), f"trace-{impl}-{rank}.json")
     peak_extra = step_peak_allocated(step, trace)
-    result = {"rank": rank, "impl": impl, "theory": th,
+    ring = reduce_ring_bytes(model) if impl == "dptc-fsdp" else 0
+    result = {"rank": rank, "impl": impl, "theory": th, "ring": ring,
               "base_rss": base_rss, "base_pss": base_pss,
               "peak_rss": sampler.peak_rss, "peak_pss": sampler.peak_pss,
               "ru_maxrss": ru_maxrss,
               "samples": sampler.samples, "pss_reads": sampler.pss_reads,
-              "held": held, "peak_live": held + peak_extra,
+              "held": held, "peak_live": held + peak_extra + ring,
               "step_alone": statistics.median(alone["step"]),
               "step": statistics.median(times["step"])}
     write_result(args, f"memory-{impl}", result, rank)
@@ -690,15 +707,16 @@ def report(args, timing, memory):
         print(f"# memory: one launch per implementation; max over ranks; baseline = after "
               f"imports and gloo init, before dptc's group and the model; peak PSS sampled "
               f"(statm every {args.sample_ms:g} ms, Pss on each new RSS high); held = live "
-              f"tensor bytes between steps; peak live = held + allocator peak inside a step "
-              f"(profiler)")
+              f"tensor bytes between steps; ring = dptc's shared reduce ring, outside the "
+              f"allocator; peak live = held + allocator peak inside a step (profiler) + ring")
         print(f"{'impl':>18} {'alone ms':>8} {'smpl ms':>8} {'maxrss':>7} {'peakPSS':>8} "
-              f"{'basePSS':>8} {'PSS-base':>8} {'held':>7} {'theory':>7} {'held/th':>7} {'peakLive':>8} "
+              f"{'basePSS':>8} {'PSS-base':>8} {'held':>7} {'theory':>7} {'held/th':>7} "
+              f"{'ring':>5} {'peakLive':>8} "
               f"{'thPeak':>7}   (MiB)")
         for impl, res in rows.items():
             m = {k: max(r[k] for r in res) for k in ("ru_maxrss", "peak_pss", "base_pss",
                                                      "held", "peak_live", "step",
-                                                     "step_alone")}
+                                                     "step_alone", "ring")}
             m["pss_delta"] = max(r["peak_pss"] - r["base_pss"] for r in res)
             state = th["ddp_state"] if impl == "dptc-ddp" else th["sharded_state"]
             peak = th["ddp_state"] if impl == "dptc-ddp" else th["peak_state"]
@@ -706,6 +724,7 @@ def report(args, timing, memory):
                   f"{mib(m['ru_maxrss']):>7} "
                   f"{mib(m['peak_pss']):>8} {mib(m['base_pss']):>8} {mib(m['pss_delta']):>8} "
                   f"{mib(m['held']):>7} {mib(state):>7} {m['held'] / state:7.3f} "
+                  f"{mib(m['ring']):>5} "
                   f"{mib(m['peak_live']):>8} {mib(peak):>7}")
             rows[impl] = m
         print(f"# theory: sharded state = 4 x {mib(th['padded_share_bytes'])} MiB padded share "
