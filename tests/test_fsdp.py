@@ -326,9 +326,14 @@ def test_module_methods():
     """unshard(async_op=True) and its handle, register_fsdp_forward_method,
     set_reshard_after_backward(False) then reshard(), set_gradient_divide_factor(1.0)
     (gradients summed) and set_post_optim_event (a CPU event each step, which torch's accepts
-    too) on 2 ranks, each against the single-process reference (float64)."""
+    too) on 2 ranks, each against the single-process reference (float64); the modules are
+    instances of torch's FSDPModule, as pytorch/examples' FSDP2 inspect_model asserts."""
     for result in run_ranks("tests.workers_fsdp:methods_case", 2, args={"impl": "dptc"},
                             timeout=LAUNCH_TIMEOUT_S):
+        assert result["instances"] == [True] * 3, result
+        assert result["slice_type"] == "Sequential", result
+        assert result["torch_state"].startswith("NotImplementedError: "), result
+        assert "_get_fsdp_state" in result["torch_state"], result
         assert result["root_unsharded"], result
         assert result["method_rel"] <= FLOAT64_TOLERANCE, result
         assert result["blocks_unsharded_after_backward"], result

@@ -519,16 +519,35 @@ def methods_case(impl):
     - ``set_gradient_divide_factor(1.0)``: gradients are summed, world size times the mean;
     - ``set_post_optim_event`` with a CPU event after each optimizer step: training goes on
       as the reference's, and the root drops the event at its next forward.
+    - ``isinstance`` as user code asks it (pytorch/examples' FSDP2 ``inspect_model`` imports
+      FSDPModule from torch.distributed.fsdp): the root and every block are instances of
+      torch's FSDPModule, of dptc's and of their own class; slicing a fully_shard-ed
+      nn.Sequential builds a plain nn.Sequential; torch's internal ``_get_fsdp_state`` raises
+      NotImplementedError naming itself.
     Returns the largest relative differences and what was observed."""
     api = load_impl(impl)
     rank, world = api.get_rank(), api.get_world_size()
     import dptc as fsdp
+    from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+    from examples.gpt import GPT
     model, ref = _sharded_gpt_and_reference()
+    out = {"instances": [isinstance(m, (TorchFSDPModule, fsdp.FSDPModule, cls)) and
+                         isinstance(m, TorchFSDPModule) and isinstance(m, fsdp.FSDPModule)
+                         and isinstance(m, cls)
+                         for m, cls in [(model, GPT)] + [(b, type(ref.blocks[0]))
+                                                         for b in model.blocks]]}
+    sequential = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    fsdp.fully_shard(sequential)
+    out["slice_type"] = type(sequential[0:1]).__name__
+    try:
+        model._get_fsdp_state()
+        out["torch_state"] = "returned"
+    except Exception as error:          # noqa: BLE001 (the test names the type it expects)
+        out["torch_state"] = f"{type(error).__name__}: {error}"
     type(model).logits_of = lambda self, idx: self.forward(idx)
     fsdp.register_fsdp_forward_method(model, "logits_of")
     generator = torch.Generator().manual_seed(SEED + 7)
     mine = slice(rank * ROWS_PER_RANK, (rank + 1) * ROWS_PER_RANK)
-    out = {}
 
     handle = model.unshard(async_op=True)
     handle.wait()

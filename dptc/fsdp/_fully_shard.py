@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..group import default_group, resolve
@@ -26,14 +27,25 @@ _FSDP_CLASSES = {}
 _default_mesh = {}                  # device type -> the mesh over every rank
 
 
-class FSDPModule:
+class FSDPModule(_TorchFSDPModule):
     """Mixed into every module fully_shard is applied to: ``FSDP<Name>`` subclasses both this
-    and the module's own class, so ``isinstance(model, Transformer)`` still holds."""
+    and the module's own class, so ``isinstance(model, Transformer)`` still holds.
+
+    It subclasses torch's FSDPModule so that code written for torch's ``fully_shard``
+    recognises dptc's modules: pytorch/examples' FSDP2 ``inspect_model`` asserts
+    ``isinstance(model, FSDPModule)`` with torch's class, and torchtitan's and torch's own
+    tools (torch.distributed.pipelining) ask the same.  Every method of torch's class is
+    defined here again (or raises NotImplementedError naming itself), so none of torch's
+    runs on a dptc module."""
+
+    # torch's __new__ finds the original class at this index of the MRO: FSDP<Name>, this
+    # class, torch's FSDPModule, then <Name>.
+    _orig_cls_mro_index = 3
 
     def __new__(cls, *args, **kwargs):
         # Containers (nn.Sequential slicing, ModuleList) construct type(self)(...): build the
         # original class, which has no FSDP state.
-        original = cls.__mro__[2]
+        original = cls.__mro__[cls._orig_cls_mro_index]
         self = original.__new__(original)
         self.__init__(*args, **kwargs)
         return self
@@ -56,7 +68,8 @@ class FSDPModule:
         state = self.__dict__.get("_dptc_fsdp_state")
         if state is not None and state.unit is not None:
             state.unit.reshard()
-        result = super()._apply(*args, **kwargs)
+        # nn.Module's own _apply (past torch's FSDPModule, whose _apply reads torch's state).
+        result = super(_TorchFSDPModule, self)._apply(*args, **kwargs)
         if state is not None and state.unit is not None:
             buckets = state.unit.buckets
             state.unit.reset_sharded()
@@ -218,8 +231,14 @@ def _unsupported(name):
 for _name in ("set_custom_all_gather", "set_custom_reduce_scatter",
               "set_reduce_scatter_max_input_buffers",
               "set_separate_reduce_scatter_group",
-              "set_allocate_memory_from_process_group_for_comm", "set_symm_mem_for_comm"):
+              "set_allocate_memory_from_process_group_for_comm", "set_symm_mem_for_comm",
+              # torch's internals, reading torch's FSDPState, which dptc's modules do not have
+              "_get_fsdp_state", "_set_unshard_async_op"):
     setattr(FSDPModule, _name, _unsupported(_name))
+# Whatever else a later torch adds to its FSDPModule must not run on dptc's state either.
+for _name, _value in vars(_TorchFSDPModule).items():
+    if callable(_value) and not _name.startswith("__") and _name not in vars(FSDPModule):
+        setattr(FSDPModule, _name, _unsupported(_name))
 
 
 class UnshardHandle:
@@ -361,7 +380,7 @@ def _raise_tied_across_units(module, name, managed):
 
 def _class_name(module):
     """The module's own class name, without the FSDP<Name> class fully_shard gave it."""
-    return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule)).__name__
+    return next(c for c in type(module).__mro__ if not issubclass(c, _TorchFSDPModule)).__name__
 
 
 def _check_tensor_parallel(param, where):
