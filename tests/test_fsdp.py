@@ -424,6 +424,28 @@ def test_frozen_parameters_left_out_of_the_reduction():
             assert run["frozen_without_grad"], run
 
 
+def test_module_backward_hooks_see_what_torchs_show():
+    """A full backward hook on a unit's module (or on a module inside the unit) runs before
+    the unit reshards and reduces, as under torch's fully_shard: it sees the unsharded
+    weight and this rank's unreduced gradient, the same records as torch's (sums within
+    1e-10, float64), and training stays on the single-process reference
+    (tests/workers_fsdp.py backward_hooks_case, 2 ranks, 2 blocks, 2 steps)."""
+    runs = {impl: run_ranks("tests.workers_fsdp:backward_hooks_case", 2, args={"impl": impl},
+                            timeout=LAUNCH_TIMEOUT_S, reference=impl == "torch")
+            for impl in ("torch", "dptc")}
+    for mine, theirs in zip(runs["dptc"], runs["torch"]):
+        assert len(mine["records"]) == len(theirs["records"]) == 8, (mine, theirs)
+        for got, want in zip(mine["records"], theirs["records"]):
+            assert got[:3] == want[:3], (got, want)
+            assert (got[3] is None) == (want[3] is None), (got, want)
+            if want[3] is not None:
+                assert got[3][:2] == want[3][:2], (got, want)
+                assert abs(got[3][2] - want[3][2]) <= 1e-10 * max(1.0, abs(want[3][2])), \
+                    (got, want)
+        for run in (mine, theirs):
+            assert run["param_rel"] <= FLOAT64_TOLERANCE, run
+
+
 def test_all_reduce_hook_and_force_sum():
     """``set_all_reduce_hook`` and ``set_force_sum_reduction_for_comms`` on every unit, against
     torch's fully_shard (gloo) with the same calls and the single-process reference (float32

@@ -29,7 +29,8 @@ from examples.gpt import build_gpt
 from tests._rank import load_impl
 
 __all__ = ["train_cases", "memory_case", "reduction_memory_case", "methods_case",
-           "staging_case", "ring_case", "all_reduce_hook_case", "frozen_reduce_case", "recast_case", "max_rel"]
+           "staging_case", "ring_case", "all_reduce_hook_case", "frozen_reduce_case",
+           "backward_hooks_case", "recast_case", "max_rel"]
 
 SEED = 4321
 LR = 1e-3
@@ -770,6 +771,54 @@ def recast_case(impl, when):
     model.loss(model(x[mine]), y[mine]).backward()
     out = {"local_dtypes": sorted({str(p._local_tensor.dtype) for p in model.parameters()}),
            "grad_dtypes": sorted({str(p.grad._local_tensor.dtype) for p in model.parameters()}),
+           "param_rel": max_rel([_full(p.detach()) for p in model.parameters()],
+                                [p.detach() for p in ref.parameters()])}
+    _finish(impl)
+    return out
+
+
+def backward_hooks_case(impl):
+    """Full backward hooks (``register_full_backward_hook``) on each block, a fully_shard
+    unit, and on the first Linear of its MLP, inside the unit, record what they see of the
+    module's weight: whether it is a DTensor, its shape, and its gradient (None, or its type,
+    shape and sum).  Under torch's fully_shard a unit reshards and reduces once its inputs'
+    gradients are computed, so these hooks see the unsharded weight and this rank's
+    unreduced gradient.  The float64 GPT, every unit sharded, two steps of AdamW; returns the
+    records and the largest relative difference of the parameters from the single-process
+    reference's."""
+    api = load_impl(impl)
+    rank, world = api.get_rank(), api.get_world_size()
+    if impl == "dptc":
+        import dptc as fsdp
+    else:
+        import torch.distributed.fsdp as fsdp
+    mine = slice(rank * ROWS_PER_RANK, (rank + 1) * ROWS_PER_RANK)
+    model, ref = _build("gpt", torch.float64), _build("gpt", torch.float64)
+    for module in _units(model):
+        fsdp.fully_shard(module)
+    records = []
+
+    def record(name):
+        def hook(module, _grad_input, _grad_output):
+            weight, grad = module.weight, module.weight.grad
+            records.append([name, hasattr(weight, "placements"), list(weight.shape),
+                            None if grad is None else [hasattr(grad, "placements"),
+                                                       list(grad.shape), grad.sum().item()]])
+        return hook
+
+    for i, block in enumerate(model.blocks):
+        block.ln_attn.register_full_backward_hook(record(f"blocks.{i}.ln_attn"))
+        block.mlp[0].register_full_backward_hook(record(f"blocks.{i}.mlp.0"))
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    generator = torch.Generator().manual_seed(SEED + 17)
+    for step in range(2):
+        x, y = _batch("gpt", step, 0, world, generator)
+        _loss(model, "gpt", x[mine], y[mine]).backward()
+        _loss(ref, "gpt", x, y).backward()
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    out = {"records": records,
            "param_rel": max_rel([_full(p.detach()) for p in model.parameters()],
                                 [p.detach() for p in ref.parameters()])}
     _finish(impl)

@@ -30,6 +30,7 @@ import os
 
 import torch
 from torch.autograd.graph import register_multi_grad_hook
+from torch.nn.modules.module import _global_backward_hooks
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .._compile import eager
@@ -66,6 +67,10 @@ class State:
         # See [Note: frozen parameters in backward].
         self.inputs_pending = 0                # forward inputs whose gradients are to come
         self.reshard_deferred = False          # post-backward left the reshard to them
+        # See [Note: module backward hooks].
+        self.owned = None                      # modules of this unit, not of an inner one
+        self.hooks_in_backward = False         # some had backward hooks at this forward
+        self.post_backward_deferred = False    # post-backward waits for the inputs
         self.root = None                       # the root State, once lazily initialised
         # Root only: the States of its subtree and this iteration's bookkeeping.
         self.states = []
@@ -170,10 +175,36 @@ class State:
         policy = self.mp_policy
         if policy.param_dtype is not None and policy.cast_forward_inputs:
             args, kwargs = tree_map(lambda v: _cast(v, policy.param_dtype), (args, kwargs))
-        if self.unit is not None and not root.in_backward and torch.is_grad_enabled() and \
-                self.unit.has_frozen_params():
-            self._hook_inputs(args, kwargs)
+        if self.unit is not None and not root.in_backward and torch.is_grad_enabled():
+            self.hooks_in_backward = self._has_backward_hooks()
+            if self.hooks_in_backward or self.unit.has_frozen_params():
+                self._hook_inputs(args, kwargs)
         return args, kwargs
+
+    # [Note: module backward hooks]
+    # torch's fully_shard reduces and reshards a unit once the gradients of its forward
+    # inputs are computed, so a full backward hook on one of the unit's modules
+    # (register_full_backward_hook; it runs as the gradients reach that module's inputs)
+    # sees the unsharded parameters and this rank's unreduced gradients in their .grad.
+    # dptc's post-backward runs earlier, when the unit's last gradient is accumulated, and
+    # the hook would see the DTensor shards and no gradient.  So while a module of the unit
+    # has backward hooks, forward hooks the unit's inputs as for frozen parameters, and
+    # post-backward (reduction and reshard) waits until their gradients are complete: the
+    # module hooks have run by then, as under torch.  Without such hooks the reduction
+    # starts as soon as the gradients are complete, overlapping more of backward.
+
+    def _has_backward_hooks(self):
+        if _global_backward_hooks:
+            return True
+        if self.owned is None:
+            owned, pending = [], list(self.modules)
+            while pending:
+                module = pending.pop()
+                owned.append(module)
+                pending.extend(child for child in module.children()
+                               if child.__dict__.get("_dptc_fsdp_state") is None)
+            self.owned = owned
+        return any(module._backward_hooks for module in self.owned)
 
     # [Note: frozen parameters in backward]
     # A unit's post-backward runs when the last of its parameters' gradients is complete,
@@ -196,7 +227,10 @@ class State:
 
     def _inputs_done(self, _grads):
         self.inputs_pending = max(0, self.inputs_pending - 1)
-        if self.inputs_pending == 0 and self.reshard_deferred:
+        if self.inputs_pending == 0 and self.post_backward_deferred:
+            self.post_backward_deferred = False
+            self._post_backward(self.unit)
+        elif self.inputs_pending == 0 and self.reshard_deferred:
             self.reshard_deferred = False
             self.unit.reshard()
 
@@ -305,6 +339,9 @@ class State:
     # staged, 1.5 now.
 
     def _post_backward(self, unit):
+        if self.hooks_in_backward and self.inputs_pending:
+            self.post_backward_deferred = True  # see [Note: module backward hooks]
+            return
         if self.reduce_scatter_unused_params:
             if self.prefetch_after_backward:
                 self._prefetch_backward()
@@ -344,6 +381,7 @@ class State:
             for state in self.states:
                 state.backward_started = False
                 state.inputs_pending, state.reshard_deferred = 0, False
+                state.post_backward_deferred = False
                 unit = state.unit
                 if unit is None:
                     continue
@@ -370,6 +408,7 @@ class State:
         for state in self.states:
             state.backward_started = False
             state.inputs_pending, state.reshard_deferred = 0, False
+            state.post_backward_deferred = False
             if state.unit is not None:
                 for bucket in state.unit.buckets:
                     try:
