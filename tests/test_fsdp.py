@@ -446,6 +446,19 @@ def test_module_backward_hooks_see_what_torchs_show():
             assert run["param_rel"] <= FLOAT64_TOLERANCE, run
 
 
+@pytest.mark.parametrize("impl", ["dptc", "torch"])
+def test_optimizer_in_backward_through_post_accumulate_grad_hooks(impl):
+    """Post-accumulate-grad hooks on the sharded parameters run once per synced backward,
+    after the reduced gradient is accumulated, as torch's fully_shard runs them: an SGD per
+    parameter stepped in backward trains to the single-process numbers (float64, 2 ranks,
+    2 steps of 2 micro-batches; tests/workers_fsdp.py post_accumulate_hooks_case)."""
+    for result in run_ranks("tests.workers_fsdp:post_accumulate_hooks_case", 2,
+                            args={"impl": impl}, timeout=LAUNCH_TIMEOUT_S,
+                            reference=impl == "torch"):
+        assert result["calls"] == [result["parameters"]] * 2, result
+        assert result["param_rel"] <= FLOAT64_TOLERANCE, result
+
+
 def test_all_reduce_hook_and_force_sum():
     """``set_all_reduce_hook`` and ``set_force_sum_reduction_for_comms`` on every unit, against
     torch's fully_shard (gloo) with the same calls and the single-process reference (float32

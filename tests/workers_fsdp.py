@@ -30,7 +30,7 @@ from tests._rank import load_impl
 
 __all__ = ["train_cases", "memory_case", "reduction_memory_case", "methods_case",
            "staging_case", "ring_case", "all_reduce_hook_case", "frozen_reduce_case",
-           "backward_hooks_case", "recast_case", "max_rel"]
+           "backward_hooks_case", "post_accumulate_hooks_case", "recast_case", "max_rel"]
 
 SEED = 4321
 LR = 1e-3
@@ -819,6 +819,53 @@ def backward_hooks_case(impl):
         opt.step(), ref_opt.step()
         opt.zero_grad(), ref_opt.zero_grad()
     out = {"records": records,
+           "param_rel": max_rel([_full(p.detach()) for p in model.parameters()],
+                                [p.detach() for p in ref.parameters()])}
+    _finish(impl)
+    return out
+
+
+def post_accumulate_hooks_case(impl):
+    """Optimizer in backward (torchtune's pattern with fully_shard): an SGD per sharded
+    parameter, stepped and zeroed by a ``register_post_accumulate_grad_hook`` on that
+    parameter.  torch's fully_shard runs those hooks on the sharded parameters once their
+    reduced gradients are accumulated, in a backward that syncs gradients only.  The float64
+    GPT, every unit sharded, 2 steps of 2 micro-batches (the first under
+    ``set_requires_gradient_sync(False)``); the reference accumulates both micro-batches on
+    the whole batch and steps SGD after.  Returns the hook calls per step and the largest
+    relative difference of the parameters from the reference's."""
+    api = load_impl(impl)
+    rank, world = api.get_rank(), api.get_world_size()
+    if impl == "dptc":
+        import dptc as fsdp
+    else:
+        import torch.distributed.fsdp as fsdp
+    mine = slice(rank * ROWS_PER_RANK, (rank + 1) * ROWS_PER_RANK)
+    model, ref = _build("gpt", torch.float64), _build("gpt", torch.float64)
+    for module in _units(model):
+        fsdp.fully_shard(module)
+    optimizers = {p: torch.optim.SGD([p], lr=0.1) for p in model.parameters()}
+    calls = []
+
+    def step_in_backward(param):
+        calls[-1] += 1
+        optimizers[param].step()
+        optimizers[param].zero_grad()
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(step_in_backward)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(SEED + 19)
+    for step in range(2):
+        calls.append(0)
+        for micro in range(MICRO):
+            x, y = _batch("gpt", step, micro, world, generator)
+            model.set_requires_gradient_sync(micro == MICRO - 1)
+            (_loss(model, "gpt", x[mine], y[mine]) / MICRO).backward()
+            (_loss(ref, "gpt", x, y) / MICRO).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    out = {"calls": calls, "parameters": len(list(model.parameters())),
            "param_rel": max_rel([_full(p.detach()) for p in model.parameters()],
                                 [p.detach() for p in ref.parameters()])}
     _finish(impl)

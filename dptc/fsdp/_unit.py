@@ -1019,3 +1019,14 @@ class Unit:
                     grad._local_tensor.add_(local)
                 if self.keep_low_precision_grads:
                     self._keep_low_precision(p, bucket.compute_dtype)
+                self._run_post_accumulate_grad_hooks(p)
+
+    def _run_post_accumulate_grad_hooks(self, p):
+        """Hooks the user registered on a sharded parameter (register_post_accumulate_grad_hook:
+        an optimizer stepped in backward), run once its reduced gradient is accumulated, as
+        torch's fully_shard runs them.  Autograd never accumulates into the sharded
+        parameter, so it would never run them; dptc's own hooks are on the unsharded one."""
+        hooks = getattr(p.sharded, "_post_accumulate_grad_hooks", None)
+        if hooks and p.sharded is not p.unsharded:
+            for hook in list(hooks.values()):
+                hook(p.sharded)
