@@ -204,9 +204,13 @@ class _Param:
         count = self.local_rows * self.row_numel
         if count == 0 or flat.is_meta:
             return self.local_view(flat)
+        # A slice of an untyped storage is a storage of its own over the same bytes that
+        # keeps the whole alive, on any device, and needs no numpy (torch does not require it,
+        # so neither does dptc).
         size = flat.element_size()
-        raw = flat.view(torch.uint8).numpy()[self.offset * size:(self.offset + count) * size]
-        return torch.from_numpy(raw).view(flat.dtype).view(self.local_shape)
+        begin = (flat.storage_offset() + self.offset) * size
+        storage = flat.untyped_storage()[begin:begin + count * size]
+        return flat.new_empty(0).set_(storage, 0, self.local_shape)
 
     def register(self, param):
         for module, name in self.locations:
