@@ -36,6 +36,7 @@ __all__ = ["ProcessGroup", "init_process_group", "destroy_process_group", "is_in
 logger = logging.getLogger("dptc")
 
 DEFAULT_TIMEOUT_S = 300.0
+MAX_TIMEOUT_S = 1e9       # see _timeout_seconds
 DEFAULT_STREAMS = 2
 BRIDGE_CHECK = 3        # csrc/bridge.h, DPTC_BRIDGE_CHECK
 _OP_NAMES = {0: "all_reduce", 1: "broadcast", 2: "all_gather_into_tensor",
@@ -163,19 +164,26 @@ class ProcessGroup:
 # Configuration
 
 def _timeout_seconds(timeout):
+    """Seconds from `timeout` (a number or a timedelta), else from DPTC_TIMEOUT, else the
+    default.  At most MAX_TIMEOUT_S: from about 9.2e9 s on, gloo's and the store's deadlines,
+    kept in nanoseconds, overflow (they expire at once or refuse the timeout)."""
+    source, given = "timeout", timeout
     if timeout is None:
-        text = os.environ.get("DPTC_TIMEOUT")
-        if text is None:
+        given = os.environ.get("DPTC_TIMEOUT")
+        if given is None:
             return DEFAULT_TIMEOUT_S
+        source = "DPTC_TIMEOUT"
         try:
-            timeout = float(text)
+            timeout = float(given)
         except ValueError:
-            raise ValueError(f"DPTC_TIMEOUT must be a number of seconds, got {text!r}") from None
+            timeout = None
     if isinstance(timeout, datetime.timedelta):
         timeout = timeout.total_seconds()
-    if not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ValueError(f"timeout must be a positive number of seconds or a timedelta, "
-                         f"got {timeout!r}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or \
+            not 0 < timeout <= MAX_TIMEOUT_S:
+        kind = "a number of seconds" + (" or a timedelta" if source == "timeout" else "")
+        raise ValueError(f"{source} must be {kind} greater than 0 and at most "
+                         f"{MAX_TIMEOUT_S:.0e} (about 31 years), got {given!r}")
     return float(timeout)
 
 
@@ -197,6 +205,20 @@ def _env_choice(name, choices, default):
     if text not in choices:
         raise ValueError(f"{name} must be one of {', '.join(choices)}, got {text!r}")
     return choices[text]
+
+
+def _env_flag(name, default):
+    """A switch set with NAME=0 or NAME=1; any other value is refused rather than read as
+    the default (a mistyped NAME=false used to leave it on)."""
+    return _env_choice(name, {"0": False, "1": True}, "1" if default else "0")
+
+
+def _check_c_settings():
+    """The settings csrc/ reads itself, checked before a group is made, so that a mistyped
+    value is an error rather than the default in silence: DPTC_SHM (shm.c: memfd, the
+    default, or posix) and DPTC_NCCL_CHECK_ORDER (nccl.c: 1, the default, or 0)."""
+    _env_choice("DPTC_SHM", {"memfd": "memfd", "posix": "posix"}, "memfd")
+    _env_flag("DPTC_NCCL_CHECK_ORDER", True)
 
 
 def _init_torch(timeout, explicit):
@@ -489,12 +511,13 @@ def _open_engine(store, ranks, me, timeout, num_streams):
     member has mapped it, and on every failure path.
     """
     staging = _env_choice("DPTC_SHM_STAGING", STAGINGS, "auto")
+    _check_c_settings()
     rank, node, nnodes, local_rank, local_size = _group_layout(ranks, me)
     if rank == 0:
         store.set("token", secrets.token_hex(12))
     token = store.get("token").decode()
     name = f"/dptc-{token}-n{node}"
-    slot_bytes = _env_int("DPTC_SLOT_BYTES", DEFAULT_SLOT_BYTES, 1, 1 << 40)
+    slot_bytes = _env_int("DPTC_SLOT_BYTES", DEFAULT_SLOT_BYTES, 1 << 16, 1 << 40)
     delta = datetime.timedelta(seconds=timeout)
     engine = None
     try:

@@ -65,10 +65,14 @@ def _device_count(cudart):
 
 
 def _dev_shm():
-    posix = os.environ.get("DPTC_SHM") == "posix"
+    mode = os.environ.get("DPTC_SHM", "memfd")
+    posix = mode == "posix"
     report = {"path": "/dev/shm", "needed": posix,
               "note": "DPTC_SHM=posix puts dptc's segments here" if posix else
                       "dptc's segments are memfd memory (DPTC_SHM=posix would put them here)"}
+    if mode not in ("memfd", "posix"):
+        report["note"] = (f"DPTC_SHM={mode!r} is neither memfd nor posix: dptc refuses to make "
+                          f"a group; unset it, or set memfd or posix")
     try:
         stat = os.statvfs("/dev/shm")
     except OSError as error:

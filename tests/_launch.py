@@ -232,7 +232,11 @@ class _Zygote:
     @classmethod
     def get(cls):
         if cls._instance is None and not cls._failed:
-            if os.environ.get("DPTC_TEST_ZYGOTE", "1") == "0":
+            setting = os.environ.get("DPTC_TEST_ZYGOTE", "1")
+            if setting not in ("0", "1"):
+                raise ValueError(f"DPTC_TEST_ZYGOTE must be 0 (a fresh interpreter for every "
+                                 f"rank) or 1 (ranks forked from the zygote), got {setting!r}")
+            if setting == "0":
                 cls._failed = True
                 return None
             try:

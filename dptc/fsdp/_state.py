@@ -26,8 +26,6 @@ Each fully_shard module has one State.  Its hooks are thin: they call the unit's
   DTensors, reshard what is still unsharded.
 """
 
-import os
-
 import torch
 from torch.autograd.graph import register_multi_grad_hook
 from torch.nn.modules.module import _global_backward_hooks
@@ -35,6 +33,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from .._compile import eager
 from .._ranges import Range
+from ..group import _env_flag
 from ._unit import ReduceRing
 
 __all__ = []
@@ -281,7 +280,10 @@ class State:
         """Root, at lazy init: the rings of [Note: reduce inputs in shared memory], for the
         shard groups on one node.  Every rank makes them in the same order (a collective)."""
         sizes = {}
-        if os.environ.get("DPTC_FSDP_SHARED_REDUCE", "1") == "0":  # staged, for comparison
+        # Both read on every rank and every root, whatever the groups: a mistyped value is an
+        # error even where it would change nothing.
+        release = _env_flag("DPTC_FSDP_RELEASE_REDUCE_BUFFERS", False)
+        if not _env_flag("DPTC_FSDP_SHARED_REDUCE", True):  # staged, for comparison
             self.rings = {}
             return
         for state in self.states:
@@ -292,7 +294,7 @@ class State:
                 key = (id(unit.group), dtype)
                 sizes[key] = (unit.group, max(sizes.get(key, (None, 0))[1], nbytes))
         # In the order the units come in the module tree, the same on every rank.
-        self.rings = {key: ReduceRing(group, nbytes) for key, (group, nbytes) in sizes.items()}
+        self.rings = {key: ReduceRing(group, nbytes, release) for key, (group, nbytes) in sizes.items()}
 
     # -- backward -----------------------------------------------------------------------------
 

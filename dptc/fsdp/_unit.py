@@ -30,7 +30,6 @@ gradients.
 """
 
 import math
-import os
 
 import torch
 from torch import nn
@@ -41,6 +40,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from .. import _C
 from .._dtypes import OP_ALL_REDUCE, REDOP_AVG, REDOP_SUM, dtype_code
 from .._ranges import Range
+from ..group import _env_flag
 
 __all__ = []
 
@@ -300,11 +300,11 @@ class ReduceRing:
     largest unit's reduce inputs; DPTC_FSDP_RELEASE_REDUCE_BUFFERS=1 gives the pages back
     after every backward instead (the mappings stay either way)."""
 
-    def __init__(self, group, nbytes):
+    def __init__(self, group, nbytes, release_pages=False):
         self.buffers = [group._c.share(nbytes), group._c.share(nbytes)]
         self.owners = [None, None]             # the State whose reduction last used each
         self.next = 0
-        self.release_pages = os.environ.get("DPTC_FSDP_RELEASE_REDUCE_BUFFERS", "0") == "1"
+        self.release_pages = release_pages
 
     def take(self, owner, finish):
         index = self.next
@@ -466,10 +466,10 @@ class Unit:
         buffer into the unsharded storage, with nothing staged (all_gather_from_shared in
         csrc/shm.c).  Collective in that case, like every shard buffer's creation: each rank
         makes its units' buffers in the same order."""
+        shared = _env_flag("DPTC_FSDP_SHARED_GATHER", True)   # checked even where moot
         if on_meta:
             return torch.zeros(bucket.numel, dtype=bucket.orig_dtype, device="meta")
-        if self.on_one_cpu_node and bucket.compute_dtype == bucket.orig_dtype and \
-                os.environ.get("DPTC_FSDP_SHARED_GATHER", "1") != "0":
+        if self.on_one_cpu_node and bucket.compute_dtype == bucket.orig_dtype and shared:
             return self.group.empty_shared(bucket.numel, bucket.orig_dtype)
         return torch.zeros(bucket.numel, dtype=bucket.orig_dtype, device=self.device)
 
