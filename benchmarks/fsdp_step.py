@@ -71,7 +71,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from _checkout import ROOT, put_checkout_on_path
+from _checkout import put_checkout_on_path
 
 put_checkout_on_path()
 
@@ -469,7 +469,8 @@ def time_role(args):
                                            for x, y in zip(full[a], full[b]))
     result = {"rank": rank, "nranks": nranks, "medians": medians, "param_diff": diffs,
               "theory": th, "torch": torch.__version__,
-              "omp": os.environ.get("OMP_NUM_THREADS")}
+              "dptc": os.path.dirname(sys.modules["dptc"].__file__) if "dptc" in sys.modules
+              else None, "omp": os.environ.get("OMP_NUM_THREADS")}
     write_result(args, "time", result, rank)
     if args.out is None and rank == 0:
         print_time_table(result, args)
@@ -553,7 +554,9 @@ def launch(args, argv, role, impls, out, log, timeout):
     """One torchrun launch of this script; returns (exit status or 'killed', seconds)."""
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
+    # No checkout on PYTHONPATH: each rank runs this script, whose put_checkout_on_path picks
+    # this checkout's dptc or the installed one as the launcher did (after a plain pip install
+    # the unbuilt source tree would shadow the installed dptc).
     env.setdefault("DPTC_TIMEOUT", str(int(max(30, timeout))))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc_per_node={args.ranks}", os.path.abspath(__file__), *argv,

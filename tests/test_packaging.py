@@ -4,6 +4,7 @@ source tree and the extension, and dptc imports from it alone, FSDP included.
 The import runs under `python -S`, so no .pth file (an editable install of this checkout among
 them) can supply a module the wheel lacks."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -26,13 +27,20 @@ def _source_modules():
 
 
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory):
-    # Built from a copy of what git tracks: a build/ folder left in the checkout would
-    # otherwise hand setuptools the modules its configuration leaves out.
+def source(tmp_path_factory):
+    """A copy of what git tracks, unbuilt: a fresh clone, or the checkout a user ran a plain
+    `pip install .` from."""
     source = tmp_path_factory.mktemp("source")
     for name in _tracked():
         os.makedirs(source / os.path.dirname(name), exist_ok=True)
         shutil.copy2(os.path.join(ROOT, name), source / name)
+    return source
+
+
+@pytest.fixture(scope="module")
+def wheel(source, tmp_path_factory):
+    # Built from the copy: a build/ folder left in the checkout would otherwise hand
+    # setuptools the modules its configuration leaves out.
     out = tmp_path_factory.mktemp("wheel")
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
                     "--no-build-isolation", "-w", str(out), str(source)],
@@ -97,3 +105,28 @@ def test_sharding_needs_no_numpy():
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert [float(line) for line in result.stdout.split()] == [0.0, 0.0]
+
+
+def test_benchmark_from_unbuilt_checkout_runs_the_installed_dptc(source, wheel, tmp_path):
+    """benchmarks/README.md: after a plain `pip install .` the scripts run the installed dptc.
+    fsdp_step.py's launches put the checkout first on their ranks' PYTHONPATH, where its
+    unbuilt dptc shadowed the installed one: every rank raised ImportError and the summary
+    came back empty (or, beside an editable install of another checkout, ran that one's C
+    core under this tree's Python).  The installed wheel is first on PYTHONPATH here, as
+    site-packages would hold it."""
+    installed = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(installed)
+    env = dict(os.environ, PYTHONPATH=str(installed), OMP_NUM_THREADS="1")
+    out = tmp_path / "result.json"
+    command = [sys.executable, str(source / "benchmarks" / "fsdp_step.py"), "--vocab", "64",
+               "--d-model", "32", "--layers", "1", "--n-head", "2", "--ctx", "8", "--batch", "1",
+               "--warmup", "0", "--steps", "1", "--no-memory", "--impls", "dptc-fsdp,torch-fsdp",
+               "--deadline", "120", "--json", str(out)]
+    result = subprocess.run(command, cwd=str(tmp_path), env=env, capture_output=True,
+                            text=True, timeout=180)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    timing = json.loads(out.read_text())["timing"]
+    assert [r["rank"] for r in timing] == [0, 1]
+    for r in timing:
+        assert r["dptc"] == str(installed / "dptc")
+        assert r["param_diff"]["dptc-fsdp vs torch-fsdp"] == 0.0, r["param_diff"]
