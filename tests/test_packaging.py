@@ -1,5 +1,7 @@
 """What `pip install .` puts in a training environment: the wheel holds every module of the
-source tree and the extension, and dptc imports from it alone, FSDP included.
+source tree and the extension, and dptc imports from it alone, FSDP included, without numpy
+(which pyproject does not ask for); the benchmarks run that installed dptc from an unbuilt
+checkout; and the sdist holds the whole source tree.
 
 The import runs under `python -S`, so no .pth file (an editable install of this checkout among
 them) can supply a module the wheel lacks."""
@@ -9,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import zipfile
 
 import pytest
@@ -130,3 +133,25 @@ def test_benchmark_from_unbuilt_checkout_runs_the_installed_dptc(source, wheel, 
     for r in timing:
         assert r["dptc"] == str(installed / "dptc")
         assert r["param_diff"]["dptc-fsdp vs torch-fsdp"] == 0.0, r["param_diff"]
+
+
+def test_sdist_holds_the_source_tree(source, tmp_path):
+    """The sdist (what `pip install dptc-*.tar.gz` builds from, and what unpacks into a tree
+    to test) holds every tracked file but .gitignore: the C headers the build needs, and the
+    test harness beside the tests.  Without MANIFEST.in it held the packages, csrc/ and the
+    tests/test_*.py files alone, whose imports of tests._launch then failed, and none of
+    examples/, benchmarks/, tools/, notes/."""
+    tree = tmp_path / "tree"
+    shutil.copytree(source, tree)
+    out = tmp_path / "sdist"
+    subprocess.run([sys.executable, "-c", "import sys\n"
+                    "from setuptools import build_meta\n"
+                    "build_meta.build_sdist(sys.argv[1])\n", str(out)],
+                   cwd=str(tree), check=True, timeout=300, capture_output=True)
+    (path,) = out.glob("dptc-*.tar.gz")
+    with tarfile.open(path) as archive:
+        names = {name.split("/", 1)[1] for name in archive.getnames() if "/" in name}
+    missing = sorted(set(_tracked()) - {".gitignore"} - names)
+    assert missing == []
+    assert {"csrc/dptc.h", "csrc/transport.h", "tests/_launch.py", "tests/c/fake_cuda.c"} <= names
+    assert [n for n in names if n.endswith((".so", ".pyc"))] == []
