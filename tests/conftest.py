@@ -11,8 +11,16 @@
   zygote, or fresh and why (each fresh start imports torch again, seconds on this machine).
 - Run the suite serially: the harness checks /dev/shm/dptc* around every run, and runs in
   parallel would see each other's segments.
+- The tests run this checkout's dptc (the repo root comes first on every path), so a session
+  in a checkout whose extension is not built here (a plain `pip install .`, or none) stops at
+  once with the remedy, rather than failing every test with the same ImportError, or, beside
+  an editable install of another checkout, running this tree's Python over that one's C core
+  (the import system finds dptc._C there).  Built here means dptc/_C*.so, as
+  benchmarks/_checkout.py has it: `pip install -e .` (not editable_mode=strict) or
+  `setup.py build_ext --inplace`.
 """
 
+import importlib.machinery
 import sys
 from pathlib import Path
 
@@ -23,6 +31,16 @@ if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
 from tests._rank import IMPLS  # noqa: E402
+
+
+def pytest_sessionstart(session):
+    package = Path(REPO_ROOT) / "dptc"
+    if not any((package / ("_C" + suffix)).exists()
+               for suffix in importlib.machinery.EXTENSION_SUFFIXES):
+        pytest.exit(f"dptc's C extension is not built in {package}, and the tests run this "
+                    f"checkout's dptc, not an installed one: build it here with "
+                    f"pip install --no-build-isolation -e . (README's test command) or "
+                    f"python setup.py build_ext --inplace", returncode=pytest.ExitCode.USAGE_ERROR)
 
 
 @pytest.fixture(params=IMPLS)

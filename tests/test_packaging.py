@@ -155,3 +155,18 @@ def test_sdist_holds_the_source_tree(source, tmp_path):
     assert missing == []
     assert {"csrc/dptc.h", "csrc/transport.h", "tests/_launch.py", "tests/c/fake_cuda.c"} <= names
     assert [n for n in names if n.endswith((".so", ".pyc"))] == []
+
+
+def test_tests_in_an_unbuilt_checkout_stop_with_the_remedy(source):
+    """The tests run the checkout's dptc; after a plain `pip install .` (or none) its extension
+    is not built, and every test failed alike with dptc's ImportError.  The session now stops
+    before the first test, naming the remedy."""
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                             "tests/test_group.py"], cwd=str(source), capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == pytest.ExitCode.USAGE_ERROR, result.stdout + result.stderr
+    assert (f"dptc's C extension is not built in {source / 'dptc'}, and the tests run this "
+            f"checkout's dptc, not an installed one: build it here with pip install "
+            f"--no-build-isolation -e . (README's test command) or python setup.py build_ext "
+            f"--inplace") in result.stdout + result.stderr
+    assert " passed" not in result.stdout and " failed" not in result.stdout
