@@ -29,7 +29,9 @@ import traceback
 import torch
 from torch import nn
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+# For examples/: appended, so that an installed dptc wins over an unbuilt checkout's (after a
+# plain pip install .); the tests put the checkout first on PYTHONPATH themselves.
+sys.path.append(os.path.join(os.path.dirname(__file__), "..", ".."))
 from examples.gpt import GPT, Block  # noqa: E402
 
 _parser = argparse.ArgumentParser()
@@ -218,6 +220,7 @@ def main():
         print(f"{name} rank {rank}: " + ("ok" if "error" not in result else result["error"]),
               flush=True)
     if ARGS.out:
+        os.makedirs(ARGS.out, exist_ok=True)
         path = os.path.join(ARGS.out, f"rank{rank}.json")
         with open(path + ".tmp", "w") as f:
             json.dump(results, f)
