@@ -294,7 +294,8 @@ class State:
                 key = (id(unit.group), dtype)
                 sizes[key] = (unit.group, max(sizes.get(key, (None, 0))[1], nbytes))
         # In the order the units come in the module tree, the same on every rank.
-        self.rings = {key: ReduceRing(group, nbytes, release) for key, (group, nbytes) in sizes.items()}
+        self.rings = {key: ReduceRing(group, nbytes, release)
+                      for key, (group, nbytes) in sizes.items()}
 
     # -- backward -----------------------------------------------------------------------------
 
