@@ -9,7 +9,6 @@ observed; the test compares dptc's numbers with torch's.
 import collections
 import dataclasses
 import os
-import sys
 import traceback
 
 import torch
@@ -18,23 +17,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tests._rank import load_impl
+from tests.workers_ddp import _log, _wrapper_class
 
 __all__ = ["CASES", "run_cases", "failing"]
 
 SEED = 4321
 ROWS = 8
 STEPS = 3
-
-
-def _log(message):
-    print(f"[rank {os.environ.get('RANK')}] {message}", file=sys.stderr, flush=True)
-
-
-def _ddp_class(impl):
-    if impl == "dptc":
-        import dptc
-        return dptc.DistributedDataParallel
-    return torch.nn.parallel.DistributedDataParallel
 
 
 def _flat(named):
@@ -56,13 +45,36 @@ def _result(losses, model, **extra):
     return {"losses": losses, "params": _flat(model.named_parameters()), **extra}
 
 
+def _step(opt, loss, losses):
+    """The step every loop here takes: zero_grad, backward, the optimizer; the loss kept."""
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    losses.append(loss.item())
+
+
+def _train(model, opt, rank, loss_of=None):
+    """STEPS steps on this rank's batches, of cross-entropy unless loss_of(x, y) says."""
+    losses = []
+    for step in range(STEPS):
+        x, y = _batch(step, rank)
+        _step(opt, loss_of(x, y) if loss_of else F.cross_entropy(model(x), y), losses)
+    return losses
+
+
+def _params_of(**models):
+    """The parameters of several models, each name under its model's keyword."""
+    return {f"{prefix}.{name}": value for prefix, model in models.items()
+            for name, value in _flat(model.named_parameters()).items()}
+
+
 # ---------------------------------------------------------------------------------------------
 # Cases
 
 def gan(impl, rank):
     """A generator and a discriminator, each its own DDP and optimizer: the discriminator
     step on detached fakes, then the generator step through both."""
-    DDP = _ddp_class(impl)
+    DDP = _wrapper_class(impl)
     torch.manual_seed(SEED)
     gen = DDP(nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8)))
     disc = DDP(nn.Sequential(nn.Linear(8, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1)))
@@ -84,15 +96,13 @@ def gan(impl, rank):
         g_loss.backward()
         opt_g.step()
         losses += [d_loss.item(), g_loss.item()]
-    params = {**{f"g.{k}": v for k, v in _flat(gen.named_parameters()).items()},
-              **{f"d.{k}": v for k, v in _flat(disc.named_parameters()).items()}}
-    return {"losses": losses, "params": params}
+    return {"losses": losses, "params": _params_of(g=gen, d=disc)}
 
 
 def zero(impl, rank):
     """torch's ZeroRedundancyOptimizer over a DDP's parameters."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
-    model = _ddp_class(impl)(_mlp())
+    model = _wrapper_class(impl)(_mlp())
     opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW,
                                   lr=1e-2)
     losses = []
@@ -152,7 +162,7 @@ def _logits(out):
 
 def _outputs_case(kind, find_unused, use_aux):
     def case(impl, rank):
-        model = _ddp_class(impl)(Heads(kind), find_unused_parameters=find_unused)
+        model = _wrapper_class(impl)(Heads(kind), find_unused_parameters=find_unused)
         opt = torch.optim.SGD(model.parameters(), lr=1e-1)
         losses, types = [], []
         for step in range(STEPS):
@@ -164,10 +174,7 @@ def _outputs_case(kind, find_unused, use_aux):
                 aux = out["aux"] if isinstance(out, dict) else out[1] \
                     if isinstance(out, tuple) else out.aux
                 loss = loss + aux.square().mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
+            _step(opt, loss, losses)
         return _result(losses, model, types=types,
                        aux_grad_none=model.module.aux.weight.grad is None)
     return case
@@ -176,7 +183,7 @@ def _outputs_case(kind, find_unused, use_aux):
 def two_views(impl, rank):
     """Two forwards (two augmented views of the batch) before one backward: a contrastive
     loss."""
-    model = _ddp_class(impl)(_mlp(classes=6))
+    model = _wrapper_class(impl)(_mlp(classes=6))
     opt = torch.optim.SGD(model.parameters(), lr=1e-1)
     losses = []
     for step in range(STEPS):
@@ -185,10 +192,7 @@ def two_views(impl, rank):
         z2 = F.normalize(model(x * 0.9), dim=1)
         logits = z1 @ z2.T / 0.5
         loss = F.cross_entropy(logits, torch.arange(ROWS))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+        _step(opt, loss, losses)
     return _result(losses, model)
 
 
@@ -206,7 +210,7 @@ class BNNet(nn.Module):
 
 def _eval_between(broadcast):
     def case(impl, rank):
-        model = _ddp_class(impl)(BNNet(), broadcast_buffers=broadcast)
+        model = _wrapper_class(impl)(BNNet(), broadcast_buffers=broadcast)
         opt = torch.optim.SGD(model.parameters(), lr=1e-1)
         losses, evals = [], []
         for step in range(STEPS):
@@ -214,10 +218,7 @@ def _eval_between(broadcast):
             x, y = _batch(step, rank)
             x = x * (1 + rank)
             loss = F.cross_entropy(model(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
+            _step(opt, loss, losses)
             model.eval()
             with torch.no_grad():
                 evals.append(F.cross_entropy(model(x), y).item())
@@ -230,7 +231,7 @@ def sampler(impl, rank):
     """DistributedSampler with set_epoch and drop_last over a dataset of 21 rows."""
     from torch.utils.data import DataLoader, TensorDataset
     from torch.utils.data.distributed import DistributedSampler
-    model = _ddp_class(impl)(_mlp())
+    model = _wrapper_class(impl)(_mlp())
     generator = torch.Generator().manual_seed(SEED)
     data = TensorDataset(torch.randn(21, 8, generator=generator),
                          torch.randint(0, 4, (21,), generator=generator))
@@ -242,15 +243,12 @@ def sampler(impl, rank):
         sampler_.set_epoch(epoch)
         for x, y in loader:
             loss = F.cross_entropy(model(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
+            _step(opt, loss, losses)
     return _result(losses, model)
 
 
 def module_access(impl, rank):
-    model = _ddp_class(impl)(_mlp())
+    model = _wrapper_class(impl)(_mlp())
     return _result([], model, keys=list(model.state_dict()),
                    inner_keys=list(model.module.state_dict()),
                    first=type(model.module[0]).__name__,
@@ -260,23 +258,16 @@ def module_access(impl, rank):
 def _freeze_after(find_unused):
     def case(impl, rank):
         """The backbone is frozen after wrapping (fine-tuning a head)."""
-        model = _ddp_class(impl)(_mlp(), find_unused_parameters=find_unused)
+        model = _wrapper_class(impl)(_mlp(), find_unused_parameters=find_unused)
         model.module[0].requires_grad_(False)
         opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-1)
-        losses = []
-        for step in range(STEPS):
-            x, y = _batch(step, rank)
-            loss = F.cross_entropy(model(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
+        losses = _train(model, opt, rank)
         return _result(losses, model)
     return case
 
 
 def clip(impl, rank):
-    model = _ddp_class(impl)(_mlp())
+    model = _wrapper_class(impl)(_mlp())
     opt = torch.optim.SGD(model.parameters(), lr=1e-1)
     losses, norms = [], []
     for step in range(STEPS):
@@ -303,16 +294,9 @@ class Normed(nn.Module):
 
 
 def normed(impl, rank):
-    model = _ddp_class(impl)(Normed())
+    model = _wrapper_class(impl)(Normed())
     opt = torch.optim.SGD(model.parameters(), lr=1e-1)
-    losses = []
-    for step in range(STEPS):
-        x, y = _batch(step, rank)
-        loss = F.cross_entropy(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = _train(model, opt, rank)
     return _result(losses, model, buffers=_flat(model.module.named_buffers()))
 
 
@@ -330,23 +314,16 @@ class Twice(nn.Module):
 
 
 def used_twice(impl, rank):
-    model = _ddp_class(impl)(Twice())
+    model = _wrapper_class(impl)(Twice())
     opt = torch.optim.SGD(model.parameters(), lr=1e-1)
-    losses = []
-    for step in range(STEPS):
-        x, y = _batch(step, rank)
-        loss = F.cross_entropy(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = _train(model, opt, rank)
     return _result(losses, model)
 
 
 def checkpoint(impl, rank, path):
     """The tutorial's checkpoint: rank 0 saves ddp.state_dict(), a barrier, every rank loads
     it with map_location into a fresh DDP, and training goes on."""
-    DDP = _ddp_class(impl)
+    DDP = _wrapper_class(impl)
     model = DDP(_mlp())
     opt = torch.optim.SGD(model.parameters(), lr=1e-1)
     losses = []
@@ -355,10 +332,7 @@ def checkpoint(impl, rank, path):
         for step in steps:
             x, y = _batch(step, rank)
             loss = F.cross_entropy(model(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
+            _step(opt, loss, losses)
     train(model, opt, range(2))
     if rank == 0:
         torch.save(model.state_dict(), path)
@@ -374,17 +348,14 @@ def checkpoint(impl, rank, path):
 def eval_grad(impl, rank):
     """A validation forward with grad enabled (no torch.no_grad) and no backward between
     training steps."""
-    model = _ddp_class(impl)(BNNet())
+    model = _wrapper_class(impl)(BNNet())
     opt = torch.optim.SGD(model.parameters(), lr=1e-1)
     losses, evals = [], []
     for step in range(STEPS):
         model.train()
         x, y = _batch(step, rank)
         loss = F.cross_entropy(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+        _step(opt, loss, losses)
         model.eval()
         evals.append(F.cross_entropy(model(x), y).item())
     return _result(losses, model, evals=evals)
@@ -394,7 +365,7 @@ def unfreeze_after(impl, rank):
     """A layer frozen when wrapped is unfrozen later (gradual unfreezing)."""
     net = _mlp()
     net[0].requires_grad_(False)
-    model = _ddp_class(impl)(net)
+    model = _wrapper_class(impl)(net)
     opt = torch.optim.SGD(model.parameters(), lr=1e-1)
     losses = []
     for step in range(STEPS):
@@ -402,10 +373,7 @@ def unfreeze_after(impl, rank):
             model.module[0].requires_grad_(True)
         x, y = _batch(step, rank)
         loss = F.cross_entropy(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+        _step(opt, loss, losses)
     return _result(losses, model)
 
 
@@ -415,7 +383,7 @@ def _two_backwards(find_unused):
 
 def two_backwards(impl, rank, find_unused=False):
     """Two losses of one forward, each with its own backward (retain_graph)."""
-    model = _ddp_class(impl)(Heads("tuple"), find_unused_parameters=find_unused)
+    model = _wrapper_class(impl)(Heads("tuple"), find_unused_parameters=find_unused)
     opt = torch.optim.SGD(model.parameters(), lr=1e-1)
     losses = []
     for step in range(STEPS):
@@ -434,17 +402,14 @@ def two_backwards(impl, rank, find_unused=False):
 def inference(impl, rank):
     """An evaluation under torch.inference_mode between training steps, BatchNorm buffers
     broadcast."""
-    model = _ddp_class(impl)(BNNet())
+    model = _wrapper_class(impl)(BNNet())
     opt = torch.optim.SGD(model.parameters(), lr=1e-1)
     losses, evals = [], []
     for step in range(STEPS):
         model.train()
         x, y = _batch(step, rank)
         loss = F.cross_entropy(model(x * (1 + rank)), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+        _step(opt, loss, losses)
         model.eval()
         with torch.inference_mode():
             evals.append(F.cross_entropy(model(x), y).item())
@@ -466,23 +431,17 @@ class KwargsNet(nn.Module):
 
 
 def kwargs_forward(impl, rank):
-    model = _ddp_class(impl)(KwargsNet())
+    model = _wrapper_class(impl)(KwargsNet())
     opt = torch.optim.SGD(model.parameters(), lr=1e-1)
-    losses = []
-    for step in range(STEPS):
-        x, y = _batch(step, rank)
-        loss = F.cross_entropy(model(x=x, mask=torch.ones(4), extra=True), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = _train(model, opt, rank,
+                    lambda x, y: F.cross_entropy(model(x=x, mask=torch.ones(4), extra=True), y))
     return _result(losses, model)
 
 
 def _retain_twice(find_unused):
     def case(impl, rank):
         """backward twice over one loss (retain_graph=True the first time)."""
-        model = _ddp_class(impl)(_mlp(), find_unused_parameters=find_unused)
+        model = _wrapper_class(impl)(_mlp(), find_unused_parameters=find_unused)
         opt = torch.optim.SGD(model.parameters(), lr=1e-1)
         losses = []
         for step in range(STEPS):
@@ -502,7 +461,7 @@ def local_after_step(impl, rank):
     gradients: torch.autograd.grad through the outputs with respect to the inputs (no
     parameter gradient), then a local term through the unwrapped module (ddp.module), whose
     gradients stay on this rank under torch's DDP too."""
-    model = _ddp_class(impl)(_mlp())
+    model = _wrapper_class(impl)(_mlp())
     opt = torch.optim.SGD(model.parameters(), lr=1e-1)
     losses = []
     for step in range(STEPS):
@@ -522,7 +481,7 @@ def local_after_step(impl, rank):
 
 def encoder_decoder(impl, rank):
     """Two DDPs (an encoder and a decoder) trained by one loss, one backward, one optimizer."""
-    DDP = _ddp_class(impl)
+    DDP = _wrapper_class(impl)
     torch.manual_seed(SEED)
     enc = DDP(nn.Sequential(nn.Linear(8, 16), nn.Tanh()))
     dec = DDP(nn.Linear(16, 8))
@@ -531,19 +490,14 @@ def encoder_decoder(impl, rank):
     for step in range(STEPS):
         x, _ = _batch(step, rank)
         loss = F.mse_loss(dec(enc(x)), x)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    params = {**{f"e.{k}": v for k, v in _flat(enc.named_parameters()).items()},
-              **{f"d.{k}": v for k, v in _flat(dec.named_parameters()).items()}}
-    return {"losses": losses, "params": params}
+        _step(opt, loss, losses)
+    return {"losses": losses, "params": _params_of(e=enc, d=dec)}
 
 
 def _clip_view(set_to_none):
     def case(impl, rank):
         """clip_grad_norm_ on gradients that are views of the buckets, SGD with momentum."""
-        model = _ddp_class(impl)(_mlp(), gradient_as_bucket_view=True)
+        model = _wrapper_class(impl)(_mlp(), gradient_as_bucket_view=True)
         opt = torch.optim.SGD(model.parameters(), lr=1e-1, momentum=0.9)
         losses, norms = [], []
         for step in range(STEPS + 1):
@@ -559,16 +513,11 @@ def _clip_view(set_to_none):
 
 
 def _gan_pair(impl):
-    DDP = _ddp_class(impl)
+    DDP = _wrapper_class(impl)
     torch.manual_seed(SEED)
     gen = DDP(nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8)))
     disc = DDP(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)))
     return gen, disc
-
-
-def _gan_params(gen, disc):
-    return {**{f"g.{k}": v for k, v in _flat(gen.named_parameters()).items()},
-            **{f"d.{k}": v for k, v in _flat(disc.named_parameters()).items()}}
 
 
 def dcgan(impl, rank):
@@ -594,7 +543,7 @@ def dcgan(impl, rank):
         err_g.backward()
         opt_g.step()
         losses += [err_real.item(), err_fake.item(), err_g.item()]
-    return {"losses": losses, "params": _gan_params(gen, disc)}
+    return {"losses": losses, "params": _params_of(g=gen, d=disc)}
 
 
 def wgan_gp(impl, rank):
@@ -622,14 +571,14 @@ def wgan_gp(impl, rank):
         g_loss.backward()
         opt_g.step()
         losses += [d_loss.item(), g_loss.item()]
-    return {"losses": losses, "params": _gan_params(gen, disc)}
+    return {"losses": losses, "params": _params_of(g=gen, d=disc)}
 
 
 def swa_ema(impl, rank):
     """An exponential moving average of the DDP model with torch.optim.swa_utils.AveragedModel
     (over the wrapper, which it deep-copies), evaluated each step."""
     from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
-    model = _ddp_class(impl)(BNNet())
+    model = _wrapper_class(impl)(BNNet())
     ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=True)
     opt = torch.optim.SGD(model.parameters(), lr=1e-1)
     losses, evals = [], []
@@ -651,7 +600,7 @@ def zero_bucket_view(impl, rank):
     """ZeroRedundancyOptimizer(parameters_as_bucket_view=True) with a DDP whose gradients are
     bucket views."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
-    model = _ddp_class(impl)(_mlp(), gradient_as_bucket_view=True)
+    model = _wrapper_class(impl)(_mlp(), gradient_as_bucket_view=True)
     opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam,
                                   parameters_as_bucket_view=True, lr=1e-2)
     losses = []
@@ -691,16 +640,13 @@ class TinyMoE(nn.Module):
 
 
 def moe(impl, rank):
-    model = _ddp_class(impl)(TinyMoE(), find_unused_parameters=True)
+    model = _wrapper_class(impl)(TinyMoE(), find_unused_parameters=True)
     opt = torch.optim.SGD(model.parameters(), lr=1e-1)
     losses = []
     for step in range(STEPS):
         x, y = _batch(step, rank, rows=3)
         loss = F.cross_entropy(model(x), y) + 0.1 * model.module.aux_loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+        _step(opt, loss, losses)
     return _result(losses, model)
 
 
