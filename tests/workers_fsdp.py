@@ -251,6 +251,27 @@ def _full(tensor):
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
+def _param_rel(model, ref):
+    """The largest relative difference of model's parameters from ref's."""
+    return max_rel([_full(p.detach()) for p in model.parameters()],
+                   [p.detach() for p in ref.parameters()])
+
+
+def _sharded_gpt(impl, dtype=torch.float32):
+    """The GPT with impl's fully_shard on every unit, its single-process twin, this rank's
+    rows of a batch and the world size."""
+    api = load_impl(impl)
+    rank, world = api.get_rank(), api.get_world_size()
+    if impl == "dptc":
+        import dptc as fsdp
+    else:
+        import torch.distributed.fsdp as fsdp
+    model, ref = _build("gpt", dtype), _build("gpt", dtype)
+    for module in _units(model):
+        fsdp.fully_shard(module)
+    return model, ref, slice(rank * ROWS_PER_RANK, (rank + 1) * ROWS_PER_RANK), world
+
+
 def _run(impl, name, scenario):
     api = load_impl(impl)
     rank, world = api.get_rank(), api.get_world_size()
@@ -597,8 +618,7 @@ def methods_case(impl):
         x, y = _batch("gpt", step, 0, world, generator)
         _loss(model, "gpt", x[mine], y[mine]).backward()
         _loss(ref, "gpt", x, y).backward()
-    out["post_optim_event_rel"] = max_rel([_full(p.detach()) for p in model.parameters()],
-                                          [p.detach() for p in ref.parameters()])
+    out["post_optim_event_rel"] = _param_rel(model, ref)
     out["post_optim_event_dropped"] = model._fsdp_state().post_optim_event is None
     _finish(impl)
     return out
@@ -742,16 +762,7 @@ def recast_case(impl, when):
     first, on an optimizer made before the cast that goes on after it.  The single process
     takes the same steps and casts.  Returns the dtypes of the local shards and their
     gradients, and the largest relative difference of the parameters from the reference's."""
-    api = load_impl(impl)
-    rank, world = api.get_rank(), api.get_world_size()
-    if impl == "dptc":
-        import dptc as fsdp
-    else:
-        import torch.distributed.fsdp as fsdp
-    mine = slice(rank * ROWS_PER_RANK, (rank + 1) * ROWS_PER_RANK)
-    model, ref = _build("gpt"), _build("gpt")
-    for module in _units(model):
-        fsdp.fully_shard(module)
+    model, ref, mine, world = _sharded_gpt(impl)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     generator = torch.Generator().manual_seed(SEED + 17)
@@ -771,8 +782,7 @@ def recast_case(impl, when):
     model.loss(model(x[mine]), y[mine]).backward()
     out = {"local_dtypes": sorted({str(p._local_tensor.dtype) for p in model.parameters()}),
            "grad_dtypes": sorted({str(p.grad._local_tensor.dtype) for p in model.parameters()}),
-           "param_rel": max_rel([_full(p.detach()) for p in model.parameters()],
-                                [p.detach() for p in ref.parameters()])}
+           "param_rel": _param_rel(model, ref)}
     _finish(impl)
     return out
 
@@ -786,16 +796,7 @@ def backward_hooks_case(impl):
     unreduced gradient.  The float64 GPT, every unit sharded, two steps of AdamW; returns the
     records and the largest relative difference of the parameters from the single-process
     reference's."""
-    api = load_impl(impl)
-    rank, world = api.get_rank(), api.get_world_size()
-    if impl == "dptc":
-        import dptc as fsdp
-    else:
-        import torch.distributed.fsdp as fsdp
-    mine = slice(rank * ROWS_PER_RANK, (rank + 1) * ROWS_PER_RANK)
-    model, ref = _build("gpt", torch.float64), _build("gpt", torch.float64)
-    for module in _units(model):
-        fsdp.fully_shard(module)
+    model, ref, mine, world = _sharded_gpt(impl, torch.float64)
     records = []
 
     def record(name):
@@ -819,8 +820,7 @@ def backward_hooks_case(impl):
         opt.step(), ref_opt.step()
         opt.zero_grad(), ref_opt.zero_grad()
     out = {"records": records,
-           "param_rel": max_rel([_full(p.detach()) for p in model.parameters()],
-                                [p.detach() for p in ref.parameters()])}
+           "param_rel": _param_rel(model, ref)}
     _finish(impl)
     return out
 
@@ -834,16 +834,7 @@ def post_accumulate_hooks_case(impl):
     ``set_requires_gradient_sync(False)``); the reference accumulates both micro-batches on
     the whole batch and steps SGD after.  Returns the hook calls per step and the largest
     relative difference of the parameters from the reference's."""
-    api = load_impl(impl)
-    rank, world = api.get_rank(), api.get_world_size()
-    if impl == "dptc":
-        import dptc as fsdp
-    else:
-        import torch.distributed.fsdp as fsdp
-    mine = slice(rank * ROWS_PER_RANK, (rank + 1) * ROWS_PER_RANK)
-    model, ref = _build("gpt", torch.float64), _build("gpt", torch.float64)
-    for module in _units(model):
-        fsdp.fully_shard(module)
+    model, ref, mine, world = _sharded_gpt(impl, torch.float64)
     optimizers = {p: torch.optim.SGD([p], lr=0.1) for p in model.parameters()}
     calls = []
 
@@ -866,8 +857,7 @@ def post_accumulate_hooks_case(impl):
         ref_opt.step()
         ref_opt.zero_grad()
     out = {"calls": calls, "parameters": len(list(model.parameters())),
-           "param_rel": max_rel([_full(p.detach()) for p in model.parameters()],
-                                [p.detach() for p in ref.parameters()])}
+           "param_rel": _param_rel(model, ref)}
     _finish(impl)
     return out
 
@@ -905,8 +895,7 @@ def frozen_reduce_case(impl):
         opt.step(), ref_opt.step()
         opt.zero_grad(), ref_opt.zero_grad()
     out = {"numels": first,
-           "param_rel": max_rel([_full(p.detach()) for p in model.parameters()],
-                                [p.detach() for p in ref.parameters()]),
+           "param_rel": _param_rel(model, ref),
            "frozen_without_grad": all(p.grad is None for p in model.parameters()
                                       if not p.requires_grad)}
     _finish(impl)
