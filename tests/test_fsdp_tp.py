@@ -76,3 +76,61 @@ def test_fsdp1_over_tensor_parallel_blocks():
         for run in (mine["fsdp1"], theirs["fsdp1"]):
             assert run["ref_rel"] <= FLOAT64_TOLERANCE, (rank, run["ref_rel"])
         assert max_rel(mine["fsdp1"]["params"], theirs["fsdp1"]["params"]) == 0.0, rank
+
+
+# -- dp_mesh_dims: parameters on the whole SPMD mesh (torchtitan's path) ----------------------
+
+_spmd_launches = {}
+
+
+def _spmd_results(impl):
+    if impl not in _spmd_launches:
+        _spmd_launches[impl] = run_ranks("tests.workers_fsdp_tp:spmd_cases", 4,
+                                         args={"impl": impl}, timeout=LAUNCH_TIMEOUT_S,
+                                         reference=impl == "torch")
+    return _spmd_launches[impl]
+
+
+@pytest.mark.parametrize("impl", ["dptc", "torch"])
+def test_dp_mesh_dims_match_single_process(impl):
+    """fully_shard(mesh=spmd_mesh, dp_mesh_dims=...) over parameters that are DTensors on
+    the whole mesh (FSDP over dp of a (dp, tp) mesh with column- and row-parallel linears;
+    HSDP over a (replicate, shard) mesh), the batch a DTensor sharded over the dp dims: the
+    gradients (arriving Partial() on the dp dims) and the trained parameters equal the
+    single process's on the whole batch, in float64; the shards stay on the mesh passed."""
+    for rank, result in enumerate(_spmd_results(impl)):
+        for name in ("fsdp_tp", "hsdp"):
+            run = result[name]
+            assert run["ref_rel"] <= FLOAT64_TOLERANCE, (rank, name, run["ref_rel"])
+            assert run["grad_rel"] <= FLOAT64_TOLERANCE, (rank, name, run["grad_rel"])
+            assert run["mesh_is_spmd"], (rank, name)
+
+
+def test_dp_mesh_dims_layout_numbers_and_errors_are_torchs():
+    """dptc's SPMD shards are torch's: the same placements on the SPMD mesh (the column-
+    parallel weight (_StridedShard(0, split_factor=2), Shard(0)), the row-parallel one
+    (Shard(0), Shard(1)); HSDP (Replicate(), Shard(0))), the same local shapes, parameters
+    bit-identical to torch's after training; bad dp_mesh_dims raise torch's exception types
+    and messages (naming the parameter too).  What dptc leaves out (replicate-only, several
+    dims per role) raises NotImplementedError naming the argument and the remedy."""
+    for mine, theirs in zip(_spmd_results("dptc"), _spmd_results("torch")):
+        for run in ("fsdp_tp", "hsdp"):
+            assert mine[run]["placements"] == theirs[run]["placements"]
+            assert mine[run]["local_shapes"] == theirs[run]["local_shapes"]
+            assert max_rel(mine[run]["params"], theirs[run]["params"]) == 0.0, run
+        placements = mine["fsdp_tp"]["placements"]
+        assert placements["blocks.0.w1.weight"] == ["_S(0, 2)", "S(0)"]
+        assert placements["blocks.0.w2.weight"] == ["S(0)", "S(1)"]
+        assert placements["head.weight"] == ["S(0)", "R"]
+        assert mine["hsdp"]["placements"]["head.weight"] == ["R", "S(0)"]
+        errors, torch_errors = mine["errors"], theirs["errors"]
+        for case in ("unknown_name", "plain_param", "not_replicate", "int_reshard"):
+            kind, message = errors[case].split(": ", 1)
+            assert kind == torch_errors[case].split(": ", 1)[0], case
+            assert message.startswith(torch_errors[case].split(": ", 1)[1][:40]), case
+        assert "'weight'" in torch_errors["plain_param"]
+        assert "Linear.weight" in errors["plain_param"]
+        assert errors["replicate_only"].startswith("NotImplementedError: dp_mesh_dims=")
+        assert "dptc.DistributedDataParallel" in errors["replicate_only"]
+        assert errors["several_names"].startswith("NotImplementedError: dp_mesh_dims=")
+        assert "flattened into one" in errors["several_names"]

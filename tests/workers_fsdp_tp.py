@@ -197,3 +197,142 @@ def _fit(model, ref, dp_rank, grads):
         ref_opt.step()
         ref_opt.zero_grad()
     return grad_rel
+
+
+# -- dp_mesh_dims: parameters on the whole SPMD mesh ------------------------------------------
+
+# Each parameter's placements on the tp dim of the SPMD mesh (Replicate() on the dp dims):
+# w1 column-parallel, w2 row-parallel, the rest replicated.
+_SPMD_TP = {"w1.weight": "S0", "w1.bias": "S0", "w2.weight": "S1"}
+
+
+def spmd_cases(impl):
+    """{"fsdp_tp", "hsdp", "errors"}: fully_shard(mesh=spmd_mesh, dp_mesh_dims=...) over a
+    model whose every parameter is a DTensor on the whole mesh, as torchtitan's SPMD path
+    builds it: a (dp=2, tp=2) mesh sharding over dp (DataParallelMeshDims(shard="dp")), and a
+    (replicate=2, shard=2) one as HSDP (shard="shard", replicate="replicate"); the batch is
+    a DTensor sharded over the dp dims, so the gradients arrive Partial() there.  "errors": the
+    messages for bad dp_mesh_dims."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import DataParallelMeshDims
+    if impl == "dptc":
+        import dptc as fsdp
+        fsdp.init_process_group()
+    else:
+        import torch.distributed.fsdp as fsdp
+        dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    hybrid = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    results = {"fsdp_tp": _train_spmd(fsdp, mesh, DataParallelMeshDims(shard="dp")),
+               "hsdp": _train_spmd(fsdp, hybrid, DataParallelMeshDims(shard="shard",
+                                                                       replicate="replicate")),
+               "errors": _spmd_errors(fsdp, mesh, DataParallelMeshDims)}
+    if impl == "dptc":
+        fsdp.destroy_process_group()
+    else:
+        dist.destroy_process_group()
+    return results
+
+
+def _spmd_placements(name, mesh, dp_names):
+    from torch.distributed.tensor import Replicate, Shard
+    tp = _SPMD_TP.get(".".join(name.split(".")[-2:]))
+    out = []
+    for dim_name in mesh.mesh_dim_names:
+        if dim_name == "tp" and tp is not None:
+            out.append(Shard(int(tp[1])))
+        else:
+            out.append(Replicate())
+    return out
+
+
+def _spmd_model(mesh, dp_names):
+    """Net with every parameter a DTensor on mesh (see _SPMD_TP), and the plain reference."""
+    from torch.distributed.tensor import distribute_tensor
+    torch.manual_seed(SEED)
+    model = Net()
+    torch.manual_seed(SEED)
+    ref = Net()
+    for name, module in model.named_modules():
+        for pname, param in list(module._parameters.items()):
+            full = f"{name}.{pname}" if name else pname
+            placements = _spmd_placements(full, mesh, dp_names)
+            module._parameters[pname] = nn.Parameter(
+                distribute_tensor(param.detach(), mesh, placements))
+    return model, ref
+
+
+def _train_spmd(fsdp, mesh, dims):
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    dp_names = set(dims.shard_names) | set(dims.replicate_names)
+    model, ref = _spmd_model(mesh, dp_names)
+    for block in model.blocks:
+        fsdp.fully_shard(block, mesh=mesh, dp_mesh_dims=dims)
+    fsdp.fully_shard(model, mesh=mesh, dp_mesh_dims=dims)
+    placements = {name: [str(p) for p in param.placements]
+                  for name, param in model.named_parameters()}
+    local_shapes = {name: list(param.to_local().shape)
+                    for name, param in model.named_parameters()}
+    batch = [Shard(0) if name in dp_names else Replicate() for name in mesh.mesh_dim_names]
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, foreach=False)
+    generator = torch.Generator().manual_seed(SEED + 1)
+    grad_rel = 0.0
+    for _ in range(STEPS):
+        for micro in range(MICRO):
+            model.set_requires_gradient_sync(micro == MICRO - 1)
+            x = torch.randn(4 * ROWS, WIDTH, dtype=torch.float64, generator=generator)
+            y = torch.randn(4 * ROWS, 3, dtype=torch.float64, generator=generator)
+            out = model(distribute_tensor(x, mesh, batch)).redistribute(mesh, batch)
+            mine = distribute_tensor(y, mesh, batch).to_local()
+            (out.to_local() - mine).square().mean().div(MICRO).backward()
+            (ref(x) - y).square().mean().div(MICRO).backward()
+        grad_rel = max(grad_rel, _max_rel([p.grad.full_tensor() for p in model.parameters()],
+                                          [r.grad for r in ref.parameters()]))
+        opt.step()
+        opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    params = {name: p.full_tensor().detach() for name, p in model.named_parameters()}
+    return {
+        "ref_rel": _max_rel(list(params.values()), [r.detach() for r in ref.parameters()]),
+        "grad_rel": grad_rel,
+        "params": {name: p.flatten().tolist() for name, p in params.items()},
+        "placements": placements,
+        "local_shapes": local_shapes,
+        "mesh_is_spmd": all(p.device_mesh is mesh for p in model.parameters()),
+    }
+
+
+def _spmd_errors(fsdp, mesh, DataParallelMeshDims):
+    """{case: "ExceptionType: message"} for dp_mesh_dims misuse."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+    cases = {}
+
+    def attempt(name, build, **kwargs):
+        try:
+            fsdp.fully_shard(build(), mesh=mesh, **kwargs)
+            cases[name] = "ok"
+        except Exception as exc:   # noqa: BLE001 - reported to the test
+            cases[name] = f"{type(exc).__name__}: {exc}"
+
+    def plain():
+        return nn.Linear(4, 4, dtype=torch.float64)
+
+    def on_dp_shard():
+        module = plain()
+        module.weight = nn.Parameter(distribute_tensor(module.weight.detach(), mesh,
+                                                       [Shard(0), Shard(0)]))
+        module.bias = nn.Parameter(distribute_tensor(module.bias.detach(), mesh,
+                                                     [Shard(0), Shard(0)]))
+        return module
+    attempt("unknown_name", plain, dp_mesh_dims=DataParallelMeshDims(shard="fsdp"))
+    attempt("plain_param", plain, dp_mesh_dims=DataParallelMeshDims(shard="dp"))
+    attempt("not_replicate", on_dp_shard, dp_mesh_dims=DataParallelMeshDims(shard="dp"))
+    attempt("int_reshard", plain, dp_mesh_dims=DataParallelMeshDims(shard="dp"),
+            reshard_after_forward=2)
+    # What dptc does not implement (torch's replicates without sharding, and flattens).
+    attempt("replicate_only", plain, dp_mesh_dims=DataParallelMeshDims(replicate="dp"))
+    attempt("several_names", plain, dp_mesh_dims=DataParallelMeshDims(shard=("dp", "tp")))
+    return cases

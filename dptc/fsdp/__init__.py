@@ -4,7 +4,7 @@
 ``torch.distributed.fsdp``.
 """
 
-from ._api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from ._api import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 from ._fsdp1 import (BackwardPrefetch, CPUOffload, FullStateDictConfig,
                      FullyShardedDataParallel, MixedPrecision, ShardedStateDictConfig,
                      ShardingStrategy, StateDictType)
@@ -16,7 +16,8 @@ from ._wrap import (CheckpointImpl, CheckpointWrapper, CustomPolicy, ModuleWrapP
                     wrap)
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method",
-           "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy", "fully_shard_by_policy",
+           "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy", "DataParallelMeshDims",
+           "fully_shard_by_policy",
            "policy_targets", "transformer_auto_wrap_policy", "size_based_auto_wrap_policy",
            "lambda_auto_wrap_policy", "ModuleWrapPolicy", "CustomPolicy", "always_wrap_policy",
            "enable_wrap", "wrap", "checkpoint_wrapper", "apply_activation_checkpointing",

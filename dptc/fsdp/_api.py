@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy"]
+__all__ = ["MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy", "DataParallelMeshDims"]
 
 
 @dataclass(frozen=True)
@@ -34,3 +34,32 @@ class CPUOffloadPolicy(OffloadPolicy):
     transport already keeps them there, so on CPU this changes nothing; ``pin_memory`` matters
     once parameters are on a GPU."""
     pin_memory: bool = True
+
+
+try:   # torch's own where it has one (2.13), so isinstance checks written for torch hold
+    from torch.distributed.fsdp import DataParallelMeshDims
+except ImportError:
+    @dataclass
+    class DataParallelMeshDims:
+        """Which dims of the SPMD mesh passed to fully_shard are data-parallel: ``shard``
+        names the one to shard over, ``replicate`` the one to replicate over (HSDP)."""
+        shard: str | tuple[str, ...] | None = None
+        replicate: str | tuple[str, ...] | None = None
+
+        def __post_init__(self):
+            if self.shard is None and self.replicate is None:
+                raise ValueError("At least one of shard or replicate must be set in "
+                                 "DataParallelMeshDims")
+
+        @property
+        def shard_names(self):
+            return _names(self.shard)
+
+        @property
+        def replicate_names(self):
+            return _names(self.replicate)
+
+    def _names(value):
+        if value is None:
+            return ()
+        return (value,) if isinstance(value, str) else tuple(value)

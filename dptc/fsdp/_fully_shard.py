@@ -308,6 +308,77 @@ def _mesh_groups(mesh, device_type):
                      f"{mesh.ndim} dims")
 
 
+def _spmd_groups(mesh, dp_mesh_dims, device_type):
+    """dp_mesh_dims: (shard group, replicate group or None, (shard mesh dim, data-parallel
+    mesh dims)) of the whole SPMD mesh, checked as torch's fully_shard checks it."""
+    if not all(hasattr(dp_mesh_dims, name) for name in ("shard_names", "replicate_names")):
+        raise TypeError(f"dp_mesh_dims must be a torch.distributed.fsdp.DataParallelMeshDims, "
+                        f"got {dp_mesh_dims!r}")
+    if mesh is None:
+        raise ValueError("dp_mesh_dims needs mesh=: the SPMD mesh the parameters are DTensors "
+                         "on, with mesh_dim_names")
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a torch DeviceMesh (init_device_mesh), got "
+                        f"{type(mesh).__name__}")
+    if mesh.device_type != device_type:
+        raise ValueError(f"mesh is on device type {mesh.device_type!r} but the parameters are "
+                         f"on {device_type!r}: init_device_mesh({device_type!r}, ...)")
+    shard, replicate = dp_mesh_dims.shard_names, dp_mesh_dims.replicate_names
+    if not shard and not replicate:
+        raise ValueError("At least one of shard or replicate must be set in dp_mesh_dims")
+    names = mesh.mesh_dim_names
+    if names is None:
+        raise ValueError("mesh must have mesh_dim_names when dp_mesh_dims is provided")
+    for name in shard + replicate:
+        if name not in names:
+            raise ValueError(f"Mesh dim name '{name}' not found in mesh.mesh_dim_names {names}")
+    if not shard:
+        raise NotImplementedError(
+            f"dp_mesh_dims={dp_mesh_dims!r} replicates without sharding (torch's DDP through "
+            f"fully_shard), which dptc's fully_shard does not implement; name a dim in "
+            f"shard=, or wrap the module in dptc.DistributedDataParallel")
+    if len(shard) > 1 or len(replicate) > 1:
+        raise NotImplementedError(
+            f"dp_mesh_dims={dp_mesh_dims!r} names several mesh dims for one role, which torch "
+            f"flattens into one; dptc's fully_shard takes one name for shard= and at most one "
+            f"for replicate=: build the SPMD mesh with those dims flattened into one (e.g. "
+            f"one 'dp_shard' dim covering dp_shard x cp)")
+    shard_index = names.index(shard[0])
+    dp_dims = frozenset(names.index(name) for name in shard + replicate)
+    shard_group = resolve(mesh.get_group(shard[0]), "dp_mesh_dims")
+    replicate_group = resolve(mesh.get_group(replicate[0]), "dp_mesh_dims") if replicate else None
+    return shard_group, replicate_group, (shard_index, dp_dims)
+
+
+def _check_spmd_param(param, where, mesh, dp_mesh_dims):
+    """dp_mesh_dims: param must be a DTensor on the SPMD mesh, Replicate() on its
+    data-parallel dims (torch's messages)."""
+    if not isinstance(param, DTensor):
+        raise ValueError(f"When dp_mesh_dims is provided, all parameters must be DTensors on the "
+                         f"full SPMD mesh (e.g. via distribute_module). Got plain tensor for "
+                         f"parameter '{where}'.")
+    if param.device_mesh is not mesh:
+        raise ValueError(f"Expected param's DTensor mesh to be the same mesh passed to "
+                         f"fully_shard, but got different mesh objects ({where})")
+    names = mesh.mesh_dim_names
+    for role, dims in (("shard", dp_mesh_dims.shard_names),
+                       ("replicate", dp_mesh_dims.replicate_names)):
+        for name in dims:
+            index = names.index(name)
+            placement = param.placements[index]
+            if not isinstance(placement, Replicate):
+                raise ValueError(f"Expected Replicate() on DP {role} dim '{name}' (index "
+                                 f"{index}) but got {placement} ({where})")
+    for placement in param.placements:
+        if type(placement) not in (Shard, Replicate):
+            raise NotImplementedError(
+                f"{where} is placed {param.placements}; dptc's fully_shard takes SPMD "
+                f"parameters placed Shard(d) or Replicate() on every mesh dim")
+    if not param._local_tensor.is_contiguous():
+        raise ValueError(f"{where} is a DTensor whose local tensor is not contiguous; make it "
+                         f"contiguous before fully_shard")
+
+
 _blocks_meshes = {}     # (world group, device type, mesh ranks, k) -> mesh of blocks of k
 
 
@@ -334,7 +405,7 @@ def _owned_modules(module):
         yield from _owned_modules(child)
 
 
-def _collect_params(modules, ignored):
+def _collect_params(modules, ignored, spmd_mesh=None):
     """[(parameter, [(module, name), ...])] of the parameters these modules own; a parameter
     that a unit fully_shard made earlier manages gains the new locations instead.  Raises
     for a parameter tied to one an earlier unit sharded (its original is still here)."""
@@ -358,7 +429,7 @@ def _collect_params(modules, ignored):
                     if (module, name) not in managed.locations:
                         managed.locations.append((module, name))
                     continue
-                if isinstance(param, DTensor):
+                if isinstance(param, DTensor) and spmd_mesh is None:
                     _check_tensor_parallel(param, f"{type(module).__name__}.{name}")
                 entry = found.setdefault(id(param), (param, []))
                 entry[1].append((module, name))
@@ -438,10 +509,15 @@ def _shard_dims(params, shard_placement_fn):
 
 def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placement_fn=None,
                 mp_policy=MixedPrecisionPolicy(), offload_policy=OffloadPolicy(),
-                ignored_params=None):
+                ignored_params=None, dp_mesh_dims=None):
     """Shards ``module``'s parameters across ``mesh`` (all ranks when None) with torch
     2.13's ``fully_shard`` semantics; returns the module, changed in place into an
-    ``FSDP<Name>``.  Apply it to each block, then to the root."""
+    ``FSDP<Name>``.  Apply it to each block, then to the root.
+
+    ``dp_mesh_dims`` (a ``DataParallelMeshDims``): ``mesh`` is then the whole SPMD mesh, the
+    parameters DTensors on it placed Replicate() on its data-parallel dims; ``shard`` names
+    the dim to shard over and ``replicate`` the one to replicate over (HSDP); see [Note:
+    SPMD meshes] in _unit.py."""
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     if not modules or not all(isinstance(m, nn.Module) for m in modules):
         raise TypeError(f"module must be an nn.Module or a non-empty list of them, got "
@@ -461,7 +537,17 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
             type(offload_policy).__name__ not in ("OffloadPolicy", "CPUOffloadPolicy"):
         raise TypeError(f"offload_policy must be an OffloadPolicy, got {offload_policy!r}")
     cuda = any(p.device.type == "cuda" for m in modules for p in m.parameters())
-    mesh, shard_group, replicate_group = _mesh_groups(mesh, "cuda" if cuda else "cpu")
+    spmd = None
+    if dp_mesh_dims is not None:
+        if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+            raise NotImplementedError(
+                f"reshard_after_forward as int is not yet supported with SPMD mesh "
+                f"(dp_mesh_dims), got {reshard_after_forward!r}; pass True or False (as with "
+                f"torch's fully_shard)")
+        shard_group, replicate_group, spmd = _spmd_groups(mesh, dp_mesh_dims,
+                                                          "cuda" if cuda else "cpu")
+    else:
+        mesh, shard_group, replicate_group = _mesh_groups(mesh, "cuda" if cuda else "cpu")
     post_forward_group = None
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
         size = shard_group.size
@@ -478,12 +564,15 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
             post_forward_group = _blocks_group(mesh, reshard_after_forward)
             reshard_after_forward = True
     ignored = set(ignored_params or ())
-    params = _collect_params(modules, ignored)
+    params = _collect_params(modules, ignored, spmd_mesh=mesh if spmd else None)
     for param, locations in params:
         module_, name = locations[0]
         _check_param(param, f"{type(module_).__name__}.{name}")
+        if spmd is not None:
+            _check_spmd_param(param, f"{type(module_).__name__}.{name}", mesh, dp_mesh_dims)
     dims = _shard_dims(params, shard_placement_fn)
-    unit = Unit(params, mesh, shard_group, replicate_group, mp_policy, dims) if params else None
+    unit = (Unit(params, mesh, shard_group, replicate_group, mp_policy, dims, spmd)
+            if params else None)
     if unit is not None:
         unit.post_forward_group = post_forward_group
         for p, (param, _) in zip(unit.params, params):

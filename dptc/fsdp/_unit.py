@@ -55,6 +55,9 @@ class _Param:
         # A tensor-parallel parameter (a DTensor on its own mesh) is sharded by its local
         # tensor, see [Note: tensor-parallel parameters].
         self.tp_spec = param._spec if isinstance(param, DTensor) else None
+        # dp_mesh_dims: tp_spec's mesh is the whole SPMD mesh, see [Note: SPMD meshes].
+        self.dp_shard_index = None            # the mesh dim this unit shards over
+        self.dp_dims = None                   # every data-parallel mesh dim
         self.global_shape = param.shape
         self.global_stride = param.stride()
         param = local_data(param)
@@ -161,8 +164,13 @@ class _Param:
         grad = self.unsharded.grad
         if grad is None or self.tp_spec is None:
             return grad
-        if tuple(grad.placements) != tuple(self.tp_spec.placements):
-            grad = grad.redistribute(placements=self.tp_spec.placements)
+        target = tuple(self.tp_spec.placements)
+        if self.dp_dims is not None:
+            # A Partial on a data-parallel dim stays: the reduction sums it (torch's too).
+            target = tuple(grad.placements[i] if i in self.dp_dims else placement
+                           for i, placement in enumerate(target))
+        if tuple(grad.placements) != target:
+            grad = grad.redistribute(placements=target)
         return grad._local_tensor
 
     def alias_shard(self, flat, requires_grad):
@@ -329,7 +337,7 @@ class Unit:
     its replicate group)."""
 
     def __init__(self, params_and_locations, mesh, shard_group, replicate_group, mp_policy,
-                 shard_dims=None):
+                 shard_dims=None, spmd=None):
         self.mesh = mesh
         self.group = shard_group
         self.replicate_group = replicate_group
@@ -345,6 +353,9 @@ class Unit:
         shard_dims = shard_dims or [0] * len(params_and_locations)
         self.params = [_Param(param, locations, size, rank, dim)
                        for (param, locations), dim in zip(params_and_locations, shard_dims)]
+        if spmd is not None:   # (shard mesh dim, data-parallel mesh dims): dp_mesh_dims
+            for p in self.params:
+                p.dp_shard_index, p.dp_dims = spmd
         self.mp_policy = mp_policy
         self.buckets = self._make_buckets()
         self.divide_factor = None        # set_gradient_divide_factor
@@ -494,6 +505,8 @@ class Unit:
         of the tensor-parallel layout over the gathered local tensor, so the tensor-parallel
         modules run unchanged, and its gradient is taken in those placements."""
         dp = Shard(p.dim)
+        if p.dp_dims is not None:
+            return self._spmd_dtensor(local, p)
         if p.tp_spec is None:
             mesh, placements = self.mesh, (dp,)
         else:
@@ -505,6 +518,28 @@ class Unit:
         if self.hsdp:
             placements = (Replicate(),) + placements
         return DTensor.from_local(local, mesh, placements, run_check=False,
+                                  shape=p.global_shape, stride=p.global_stride)
+
+    def _spmd_dtensor(self, local, p):
+        """[Note: SPMD meshes]
+        Under ``fully_shard(mesh=spmd_mesh, dp_mesh_dims=...)`` every parameter is already a
+        DTensor on the whole SPMD mesh (data-parallel and model-parallel dims alike), placed
+        Replicate() on the data-parallel dims.  The unit shards its local tensor over the
+        shard dim's group (and all-reduces over the replicate dim's, as HSDP), as for a
+        tensor-parallel parameter, and the shard is a DTensor on that same mesh whose shard
+        dim is placed Shard(d), or _StridedShard(d, split_factor) where mesh dims after it
+        split d too, as torch's fully_shard places it; the other dims keep their placements.
+        The unsharded parameter is the original DTensor's layout over the gathered local
+        tensor, and its gradient keeps a Partial on the data-parallel dims (the reduction
+        sums those), as torch's does."""
+        spec = p.tp_spec
+        placements = list(spec.placements)
+        split = math.prod(spec.mesh.size(j) for j in range(p.dp_shard_index + 1, spec.mesh.ndim)
+                          if isinstance(placements[j], (Shard, _StridedShard))
+                          and placements[j].dim == p.dim)
+        placements[p.dp_shard_index] = (_StridedShard(p.dim, split_factor=split) if split > 1
+                                        else Shard(p.dim))
+        return DTensor.from_local(local, spec.mesh, tuple(placements), run_check=False,
                                   shape=p.global_shape, stride=p.global_stride)
 
     def _spmd_mesh(self, tp_mesh):
