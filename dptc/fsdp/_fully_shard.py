@@ -241,6 +241,52 @@ for _name, _value in vars(_TorchFSDPModule).items():
         setattr(FSDPModule, _name, _unsupported(_name))
 
 
+class _PipeliningState:
+    """[Note: torch's pipelining]
+    torch.distributed.pipelining drives a fully_shard stage by hand.  Before each micro-batch's
+    backward its PipelineStage calls set_is_last_backward(False), set_reshard_after_backward
+    (False) and set_requires_gradient_sync(False) on the stage module, which dptc's methods
+    do; after the last one, perform_reduce_grad sets them True and reduces the accumulated
+    gradients through torch's FSDP state of the module, ``fully_shard.state(module)`` (torch's
+    fully_shard): each of ``state._state_ctx.all_states``' ``_fsdp_param_groups`` gets
+    ``post_backward()``, then ``state._root_post_backward_final_callback()`` runs.  A dptc
+    module answers that lookup with this object, registered where torch's contract keeps its
+    states (the module's ``__dict__``; torch's registry of applied APIs is left alone): it
+    has no param groups, and its final callback runs dptc's own end of backward on the root,
+    which under those flags reshards every unit and reduces the gradients the micro-batches
+    accumulated, as torch's post_backward and final callback do."""
+
+    def __init__(self, state):
+        self._dptc_state = state
+
+    @property
+    def _state_ctx(self):
+        return self
+
+    @property
+    def all_states(self):
+        return [self]
+
+    _fsdp_param_groups = ()
+
+    def _root_post_backward_final_callback(self):
+        root = self._dptc_state.root
+        if root is not None:          # None: no forward ran, nothing to reduce
+            root._end_of_backward()
+
+
+def _register_for_torch_pipelining(modules, state):
+    """See [Note: torch's pipelining]; does nothing on a torch without that lookup."""
+    try:
+        from torch.distributed._composable.contract import STATE_KEY
+        from torch.distributed.fsdp import fully_shard as torch_fully_shard
+        key = torch_fully_shard.__wrapped__
+    except (ImportError, AttributeError):
+        return
+    for module in modules:
+        module.__dict__.setdefault(STATE_KEY, {})[key] = _PipeliningState(state)
+
+
 class UnshardHandle:
     """What ``unshard(async_op=True)`` returns: ``wait()`` blocks until the gather is done and
     the unsharded parameters are on the module."""
@@ -581,6 +627,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
             # Still held wherever it is tied outside these modules: see _collect_params.
             param._dptc_fsdp_original_of = p
     state = State(modules, unit, mp_policy, reshard_after_forward)
+    _register_for_torch_pipelining(modules, state)
     for m in modules:
         m.__dict__["_dptc_fsdp_state"] = state
         cls = type(m)
