@@ -30,7 +30,7 @@ __all__ = [
     "all_gather_single", "reduce_scatter_single", "all_gather_into_tensors", "barrier",
     "ProcessGroup", "init_process_group", "destroy_process_group", "is_initialized", "new_group",
     "get_rank", "get_world_size", "DistributedDataParallel", "DDP", "Join",
-    "fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method",
+    "fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "share_comm_ctx",
     "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy", "DataParallelMeshDims",
     "fully_shard_by_policy",
     "policy_targets", "transformer_auto_wrap_policy", "size_based_auto_wrap_policy",

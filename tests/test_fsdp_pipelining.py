@@ -3,7 +3,8 @@
 Layer: 4 ranks, a (pp=2, dp=2) mesh; rank-side code in tests/workers_fsdp_pipelining.py.  An
 MLP of 4 linears split into 2 stages, each stage fully_shard over mesh["dp"] (its linears,
 then the stage), driven by torch's PipelineStage and ScheduleGPipe or Schedule1F1B with 2
-micro-batches, 3 AdamW steps in float64.  torch's schedule accumulates the micro-batches
+micro-batches, 3 AdamW steps in float64; and in 4 stages, two per pp rank, under
+ScheduleInterleaved1F1B, ScheduleLoopedBFS and ScheduleInterleavedZeroBubble.  torch's schedule accumulates the micro-batches
 without sync and then reduces through torch's FSDP state of the stage (see [Note: torch's
 pipelining] in dptc/fsdp/_fully_shard.py).  One launch per implementation and schedule:
 dptc's fully_shard and torch's (gloo), each against the single process on the whole batch.
@@ -21,16 +22,19 @@ FLOAT64_TOLERANCE = 1e-10
 _launches = {}
 
 
-def _results(impl, schedule):
-    key = (impl, schedule)
+def _results(impl, schedule, share=False):
+    key = (impl, schedule, share)
     if key not in _launches:
         _launches[key] = run_ranks("tests.workers_fsdp_pipelining:pipeline_case", 4,
-                                   args={"impl": impl, "schedule": schedule},
+                                   args={"impl": impl, "schedule": schedule, "share": share},
                                    timeout=LAUNCH_TIMEOUT_S, reference=impl == "torch")
     return _launches[key]
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+SCHEDULES = ["gpipe", "1f1b", "interleaved1f1b", "loopedbfs", "zerobubble"]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("impl", ["dptc", "torch"])
 def test_pipeline_stages_match_single_process(impl, schedule):
     """Every rank's stage, after 3 steps, equals the same layers of the whole MLP trained in
@@ -44,12 +48,32 @@ def test_pipeline_stages_match_single_process(impl, schedule):
     assert all(len(r["loss"]) == 3 for r in results if r["stage"] == 1)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", SCHEDULES)
 def test_pipeline_stages_are_torchs(schedule):
     """dptc's stages train bit-identically to torch's fully_shard under the same schedule,
-    with the same losses on the last stage."""
+    with the same losses on the last stage: one stage per rank, or two (the schedule unshards
+    with unshard(async_op=True) and reshards them itself; zero-bubble splits each backward
+    into an input and a weight pass)."""
     for mine, theirs in zip(_results("dptc", schedule), _results("torch", schedule)):
         assert mine["ok"], mine.get("error")
         assert (mine["stage"], mine["dp_rank"]) == (theirs["stage"], theirs["dp_rank"])
         assert max_rel(mine["params"], theirs["params"]) == 0.0
         assert mine["loss"] == theirs["loss"]
+
+
+def test_share_comm_ctx_over_a_ranks_stages():
+    """dptc.share_comm_ctx over the two stages of each pp rank (torchtitan calls it under
+    interleaved schedules) changes nothing dptc computes: the same parameters as torch's
+    fully_shard without it, bit for bit.  (torch 2.13's own share_comm_ctx breaks its
+    interleaved 1F1B on CPU: IndexError in FSDPParamGroup._backward_prefetch, the roots
+    then sharing one post-forward order.)  It takes fully_shard modules only, with torch's
+    message."""
+    for mine, theirs in zip(_results("dptc", "interleaved1f1b", share=True),
+                            _results("torch", "interleaved1f1b")):
+        assert mine["ok"], mine.get("error")
+        assert max_rel(mine["params"], theirs["params"]) == 0.0
+    import torch
+    import dptc
+    with pytest.raises(ValueError, match="Expects list of FSDPModules but got Linear"):
+        dptc.share_comm_ctx([torch.nn.Linear(2, 2)])
+    dptc.share_comm_ctx([])

@@ -8,7 +8,8 @@ from ._api import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, 
 from ._fsdp1 import (BackwardPrefetch, CPUOffload, FullStateDictConfig,
                      FullyShardedDataParallel, MixedPrecision, ShardedStateDictConfig,
                      ShardingStrategy, StateDictType)
-from ._fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+from ._fully_shard import (FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method,
+                           share_comm_ctx)
 from ._wrap import (CheckpointImpl, CheckpointWrapper, CustomPolicy, ModuleWrapPolicy,
                     always_wrap_policy, apply_activation_checkpointing, checkpoint_wrapper,
                     enable_wrap, fully_shard_by_policy, lambda_auto_wrap_policy,
@@ -16,6 +17,7 @@ from ._wrap import (CheckpointImpl, CheckpointWrapper, CustomPolicy, ModuleWrapP
                     wrap)
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method",
+           "share_comm_ctx",
            "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy", "DataParallelMeshDims",
            "fully_shard_by_policy",
            "policy_targets", "transformer_auto_wrap_policy", "size_based_auto_wrap_policy",

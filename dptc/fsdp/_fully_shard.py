@@ -19,7 +19,8 @@ from ._api import MixedPrecisionPolicy, OffloadPolicy
 from ._state import State
 from ._unit import Unit
 
-__all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method"]
+__all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method",
+           "share_comm_ctx"]
 
 logger = logging.getLogger("dptc")
 
@@ -329,6 +330,19 @@ def register_fsdp_forward_method(module, method_name):
         return state._post_forward(module, args, method(*args, **kwargs))
 
     setattr(module, method_name, wrapped)
+
+
+def share_comm_ctx(modules):
+    """torch's: makes several fully_shard roots (the stages of one pipeline rank) share one
+    set of communication streams.  dptc's units already share theirs: every unit on a group
+    gathers on that group's stream 0 and reduces on its stream 1, whatever its root, so this
+    checks its argument as torch's does and changes nothing."""
+    if not isinstance(modules, (list, tuple)):
+        raise TypeError(f"modules must be a list of fully_shard modules, got "
+                        f"{type(modules).__name__}")
+    for module in modules:
+        if not isinstance(module, FSDPModule):
+            raise ValueError(f"Expects list of FSDPModules but got {module}")
 
 
 def _mesh_groups(mesh, device_type):
