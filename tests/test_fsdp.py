@@ -490,3 +490,30 @@ def test_all_reduce_hook_and_force_sum():
                                             mine["record"]["records"])]
             assert max(abs(q - world) for q in ratios) <= world * HOOK_TOLERANCE, \
                 (mesh, ratios)
+
+
+def test_tuning_methods_change_no_number():
+    """set_reduce_scatter_max_input_buffers(2), set_separate_reduce_scatter_group(True),
+    set_allocate_memory_from_process_group_for_comm(True) on every unit and torch's private
+    _set_unshard_async_op(True), which a torchtitan-style script may set (see [Note: tuning
+    methods that change no number]): the float64 GPT trains to torch's fully_shard's
+    parameters bit for bit with the same calls, and to the single process's within 1e-10 (2
+    ranks, 2 micro-batches per step); a bad max_input_buffers raises torch's TypeError and
+    ValueError; the methods dptc does not run (symmetric memory, custom collectives) raise
+    NotImplementedError naming the method and the remedy."""
+    mine = run_ranks("tests.workers_fsdp:knobs_case", 2, args={"impl": "dptc"},
+                     timeout=LAUNCH_TIMEOUT_S)
+    theirs = run_ranks("tests.workers_fsdp:knobs_case", 2, args={"impl": "torch"},
+                       timeout=LAUNCH_TIMEOUT_S, reference=True)
+    for a, b in zip(mine, theirs):
+        assert a["ref_rel"] <= FLOAT64_TOLERANCE and b["ref_rel"] <= FLOAT64_TOLERANCE
+        assert _params_rel(a, b) == 0.0
+        for case in ("buffers_bool", "buffers_zero"):
+            assert a["errors"][case] == b["errors"][case], case
+        for case, remedy in (("symm_mem", "remove the call"),
+                             ("custom_all_gather", "torch's fully_shard"),
+                             ("custom_reduce_scatter", "torch's fully_shard")):
+            method = {"symm_mem": "set_symm_mem_for_comm"}.get(case, f"set_{case}")
+            assert a["errors"][case].startswith(
+                f"NotImplementedError: FSDPModule.{method} is not implemented by dptc: "), case
+            assert remedy in a["errors"][case], case

@@ -30,7 +30,8 @@ from tests._rank import load_impl
 
 __all__ = ["train_cases", "memory_case", "reduction_memory_case", "methods_case",
            "staging_case", "ring_case", "all_reduce_hook_case", "frozen_reduce_case",
-           "backward_hooks_case", "post_accumulate_hooks_case", "recast_case", "max_rel"]
+           "backward_hooks_case", "post_accumulate_hooks_case", "recast_case", "knobs_case",
+           "max_rel"]
 
 SEED = 4321
 LR = 1e-3
@@ -950,5 +951,60 @@ def all_reduce_hook_case(impl):
                 "grad_rel": max_rel([_full(p.grad) for p in model.parameters()],
                                     [p.grad * scale for p in ref.parameters()])}
             gc.collect()
+    _finish(impl)
+    return out
+
+
+def knobs_case(impl):
+    """torch 2.13's FSDPModule tuning methods that change no number, each set on the float64
+    GPT (blocks and root) before 3 steps of 2 micro-batches and AdamW: the trained parameters
+    (for the comparison with torch's) and their difference from the single-process
+    reference; then {case: "ExceptionType: message"} for bad values and for the methods
+    neither implementation runs on CPU (symmetric memory; dptc's custom collectives)."""
+    api = load_impl(impl)
+    rank, world = api.get_rank(), api.get_world_size()
+    if impl == "dptc":
+        from dptc import fully_shard
+    else:
+        from torch.distributed.fsdp import fully_shard
+    model = _build("gpt", torch.float64)
+    ref = _build("gpt", torch.float64)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    model.set_reduce_scatter_max_input_buffers(2)
+    model.set_separate_reduce_scatter_group(True)
+    for module in [model] + list(model.blocks):
+        module.set_allocate_memory_from_process_group_for_comm(True)
+    model._set_unshard_async_op(True)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    generator = torch.Generator().manual_seed(SEED + 11)
+    mine = slice(rank * ROWS_PER_RANK, (rank + 1) * ROWS_PER_RANK)
+    for step in range(3):
+        for micro in range(2):
+            model.set_requires_gradient_sync(micro == 1)
+            x, y = _batch("gpt", step, micro, world, generator)
+            (_loss(model, "gpt", x[mine], y[mine]) / 2).backward()
+            (_loss(ref, "gpt", x, y) / 2).backward()
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    out = {"ref_rel": _param_rel(model, ref),
+           "params": {name: _full(p.detach()).flatten().tolist()
+                      for name, p in model.named_parameters()},
+           "errors": {}}
+    for case, call in [("buffers_bool", lambda: model.set_reduce_scatter_max_input_buffers(True)),
+                       ("buffers_zero", lambda: model.set_reduce_scatter_max_input_buffers(0)),
+                       ("symm_mem", lambda: model.set_symm_mem_for_comm()),
+                       ("custom_all_gather", lambda: model.set_custom_all_gather(object())),
+                       ("custom_reduce_scatter",
+                        lambda: model.set_custom_reduce_scatter(object()))]:
+        try:
+            call()
+            out["errors"][case] = "ok"
+            if case == "symm_mem":   # torch's fails at the next gather
+                _loss(model, "gpt", x[mine], y[mine]).backward()
+        except Exception as error:   # noqa: BLE001 (the test names the type it expects)
+            out["errors"][case] = f"{type(error).__name__}: {error}"
     _finish(impl)
     return out

@@ -222,20 +222,65 @@ class FSDPModule(_TorchFSDPModule):
         self.set_gradient_divide_factor(factor)
 
 
-def _unsupported(name):
+    # [Note: tuning methods that change no number]
+    # torch's FSDPModule has knobs for how its CUDA collectives are staged and overlapped.
+    # dptc's engine already does what they ask for, or has nothing they apply to, so each
+    # checks its argument as torch's does and changes nothing: the gradients and parameters
+    # are the same with them as without, as under torch (tests/test_fsdp.py).
+
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers, *, recurse=True):
+        """Checked and accepted: dptc's reduce inputs lie in a ring of two shared buffers per
+        group and dtype, with at most two reductions in flight (see [Note: reduce inputs in
+        shared memory] in _unit.py), whatever this says."""
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(f"max_input_buffers must be an int, got "
+                            f"{type(max_input_buffers).__name__}")
+        if max_input_buffers < 1:
+            raise ValueError(f"max_input_buffers must be a positive int, got "
+                             f"{max_input_buffers}")
+
+    def set_separate_reduce_scatter_group(self, enable=True, *, recurse=True):
+        """Checked and accepted: dptc's reduce-scatters already run on a stream of their own
+        in the group (stream 1; the all-gathers on stream 0), so they never wait behind an
+        all-gather, which is what torch's separate process group is for."""
+        if not isinstance(enable, bool):
+            raise TypeError(f"enable must be a bool, got {enable!r}")
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable):
+        """Checked and accepted: on one node dptc's collectives already read and write
+        memory its transport shares between the ranks (the shard buffers, the reduce ring);
+        a CUDA unit's buffers come from torch's allocator."""
+        if not isinstance(enable, bool):
+            raise TypeError(f"enable must be a bool, got {enable!r}")
+
+    def _set_unshard_async_op(self, async_op):
+        """torch's private knob, which some training scripts set: checked and accepted (a
+        dptc pre-forward or pre-backward waits only for its own unit's gather)."""
+        if not isinstance(async_op, bool):
+            raise TypeError(f"async_op must be a bool, got {async_op!r}")
+
+
+def _unsupported(name, remedy="remove the call; dptc's fully_shard runs its collectives on "
+                              "its own engine"):
     def method(self, *args, **kwargs):
-        raise NotImplementedError(f"FSDPModule.{name} is not implemented by dptc")
+        raise NotImplementedError(f"FSDPModule.{name} is not implemented by dptc: {remedy}")
     method.__name__ = name
     return method
 
 
-for _name in ("set_custom_all_gather", "set_custom_reduce_scatter",
-              "set_reduce_scatter_max_input_buffers",
-              "set_separate_reduce_scatter_group",
-              "set_allocate_memory_from_process_group_for_comm", "set_symm_mem_for_comm",
-              # torch's internals, reading torch's FSDPState, which dptc's modules do not have
-              "_get_fsdp_state", "_set_unshard_async_op"):
-    setattr(FSDPModule, _name, _unsupported(_name))
+_UNSUPPORTED = {
+    "set_custom_all_gather": "a custom all-gather would replace dptc's engine; remove the "
+                             "call, or shard this model with torch's fully_shard",
+    "set_custom_reduce_scatter": "a custom reduce-scatter would replace dptc's engine; remove "
+                                 "the call, or shard this model with torch's fully_shard",
+    "set_symm_mem_for_comm": "NCCL symmetric memory is for torch's CUDA all-gathers; remove "
+                             "the call (on one node dptc's CPU all-gathers already read every "
+                             "rank's shard in place from shared memory)",
+    "_get_fsdp_state": "it returns torch's internal FSDPState, which a dptc module does not "
+                       "have; use FSDPModule's public methods",
+}
+for _name, _remedy in _UNSUPPORTED.items():
+    setattr(FSDPModule, _name, _unsupported(_name, _remedy))
 # Whatever else a later torch adds to its FSDPModule must not run on dptc's state either.
 for _name, _value in vars(_TorchFSDPModule).items():
     if callable(_value) and not _name.startswith("__") and _name not in vars(FSDPModule):
