@@ -91,46 +91,55 @@ def _spmd_results(impl):
     return _spmd_launches[impl]
 
 
+SPMD_RUNS = ("fsdp_tp", "hsdp", "flat", "flat_tp", "flat_hsdp", "ddp")
+
+
 @pytest.mark.parametrize("impl", ["dptc", "torch"])
 def test_dp_mesh_dims_match_single_process(impl):
     """fully_shard(mesh=spmd_mesh, dp_mesh_dims=...) over parameters that are DTensors on
-    the whole mesh (FSDP over dp of a (dp, tp) mesh with column- and row-parallel linears;
-    HSDP over a (replicate, shard) mesh), the batch a DTensor sharded over the dp dims: the
-    gradients (arriving Partial() on the dp dims) and the trained parameters equal the
-    single process's on the whole batch, in float64; the shards stay on the mesh passed."""
+    the whole mesh, the batch a DTensor sharded over the dp dims (the gradients arrive
+    Partial() there): FSDP over dp of a (dp, tp) mesh with column- and row-parallel linears;
+    HSDP over a (replicate, shard) mesh; shard=("dp_shard", "cp") flattened (alone, with tp,
+    and under HSDP), as torchtitan shards under context parallelism; replicate="dp" alone
+    (torch's DDP through fully_shard).  The gradients and the trained parameters equal the
+    single process's on the whole batch, in float64; without flattening the shards stay on
+    the mesh passed."""
     for rank, result in enumerate(_spmd_results(impl)):
-        for name in ("fsdp_tp", "hsdp"):
+        for name in SPMD_RUNS:
             run = result[name]
             assert run["ref_rel"] <= FLOAT64_TOLERANCE, (rank, name, run["ref_rel"])
             assert run["grad_rel"] <= FLOAT64_TOLERANCE, (rank, name, run["grad_rel"])
-            assert run["mesh_is_spmd"], (rank, name)
+            assert run["mesh_is_spmd"] == (not name.startswith("flat")), (rank, name)
 
 
 def test_dp_mesh_dims_layout_numbers_and_errors_are_torchs():
-    """dptc's SPMD shards are torch's: the same placements on the SPMD mesh (the column-
-    parallel weight (_StridedShard(0, split_factor=2), Shard(0)), the row-parallel one
-    (Shard(0), Shard(1)); HSDP (Replicate(), Shard(0))), the same local shapes, parameters
-    bit-identical to torch's after training; bad dp_mesh_dims raise torch's exception types
-    and messages (naming the parameter too).  What dptc leaves out (replicate-only, several
-    dims per role) raises NotImplementedError naming the argument and the remedy."""
+    """dptc's SPMD shards are torch's: the same placements (the column-parallel weight
+    (_StridedShard(0, split_factor=2), Shard(0)), the row-parallel one (Shard(0), Shard(1));
+    HSDP (Replicate(), Shard(0)); flattened dims one Shard(0) dim of a new mesh, (Replicate(),
+    Shard(0)) under HSDP; replicate alone the parameters' own placements), the same local
+    shapes, parameters bit-identical to torch's after training (where the batch is split 4
+    ways, the flattened run, to summation order: 4 ranks' gradients are added in another
+    order); bad dp_mesh_dims raise torch's exception types and messages (naming the
+    parameter too)."""
     for mine, theirs in zip(_spmd_results("dptc"), _spmd_results("torch")):
-        for run in ("fsdp_tp", "hsdp"):
-            assert mine[run]["placements"] == theirs[run]["placements"]
-            assert mine[run]["local_shapes"] == theirs[run]["local_shapes"]
-            assert max_rel(mine[run]["params"], theirs[run]["params"]) == 0.0, run
+        for run in SPMD_RUNS:
+            assert mine[run]["placements"] == theirs[run]["placements"], run
+            assert mine[run]["local_shapes"] == theirs[run]["local_shapes"], run
+            limit = 1e-14 if run == "flat" else 0.0
+            assert max_rel(mine[run]["params"], theirs[run]["params"]) <= limit, run
         placements = mine["fsdp_tp"]["placements"]
         assert placements["blocks.0.w1.weight"] == ["_S(0, 2)", "S(0)"]
         assert placements["blocks.0.w2.weight"] == ["S(0)", "S(1)"]
         assert placements["head.weight"] == ["S(0)", "R"]
         assert mine["hsdp"]["placements"]["head.weight"] == ["R", "S(0)"]
+        assert mine["flat"]["placements"]["head.weight"] == ["S(0)"]
+        assert mine["flat_hsdp"]["placements"]["head.weight"] == ["R", "S(0)"]
+        assert mine["ddp"]["placements"]["blocks.0.w1.weight"] == ["R", "S(0)"]
         errors, torch_errors = mine["errors"], theirs["errors"]
-        for case in ("unknown_name", "plain_param", "not_replicate", "int_reshard"):
+        for case in ("unknown_name", "plain_param", "not_replicate", "int_reshard",
+                     "replicate_only", "several_names"):
             kind, message = errors[case].split(": ", 1)
             assert kind == torch_errors[case].split(": ", 1)[0], case
             assert message.startswith(torch_errors[case].split(": ", 1)[1][:40]), case
         assert "'weight'" in torch_errors["plain_param"]
         assert "Linear.weight" in errors["plain_param"]
-        assert errors["replicate_only"].startswith("NotImplementedError: dp_mesh_dims=")
-        assert "dptc.DistributedDataParallel" in errors["replicate_only"]
-        assert errors["several_names"].startswith("NotImplementedError: dp_mesh_dims=")
-        assert "flattened into one" in errors["several_names"]

@@ -207,12 +207,15 @@ _SPMD_TP = {"w1.weight": "S0", "w1.bias": "S0", "w2.weight": "S1"}
 
 
 def spmd_cases(impl):
-    """{"fsdp_tp", "hsdp", "errors"}: fully_shard(mesh=spmd_mesh, dp_mesh_dims=...) over a
-    model whose every parameter is a DTensor on the whole mesh, as torchtitan's SPMD path
-    builds it: a (dp=2, tp=2) mesh sharding over dp (DataParallelMeshDims(shard="dp")), and a
-    (replicate=2, shard=2) one as HSDP (shard="shard", replicate="replicate"); the batch is
-    a DTensor sharded over the dp dims, so the gradients arrive Partial() there.  "errors": the
-    messages for bad dp_mesh_dims."""
+    """{"fsdp_tp", "hsdp", "flat", "flat_tp", "flat_hsdp", "ddp", "errors"}:
+    fully_shard(mesh=spmd_mesh, dp_mesh_dims=...) over a model whose every parameter is a
+    DTensor on the whole mesh, as torchtitan's SPMD path builds it: a (dp=2, tp=2) mesh
+    sharding over dp (DataParallelMeshDims(shard="dp")); a (replicate=2, shard=2) one as HSDP
+    (shard="shard", replicate="replicate"); shard=("dp_shard", "cp") flattened, on a (2, 2)
+    mesh, a (1, 2, 2) one with tp, and a (dp_replicate=2, dp_shard=1, cp=2) one as HSDP;
+    replicate="dp" alone on the (dp, tp) mesh.  The batch is a DTensor sharded over the dp
+    dims, so the gradients arrive Partial() there.  "errors": the messages for bad
+    dp_mesh_dims."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import DataParallelMeshDims
@@ -228,6 +231,18 @@ def spmd_cases(impl):
                "hsdp": _train_spmd(fsdp, hybrid, DataParallelMeshDims(shard="shard",
                                                                        replicate="replicate")),
                "errors": _spmd_errors(fsdp, mesh, DataParallelMeshDims)}
+    # torchtitan's dense dims under context parallelism: shard over (dp_shard, cp), which
+    # fully_shard flattens into one dim (also with tensor parallelism, and as HSDP).
+    flat = DataParallelMeshDims(shard=("dp_shard", "cp"))
+    cp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "cp"))
+    results["flat"] = _train_spmd(fsdp, cp, flat)
+    cp_tp = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("dp_shard", "cp", "tp"))
+    results["flat_tp"] = _train_spmd(fsdp, cp_tp, flat)
+    cp_hsdp = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("dp_replicate", "dp_shard", "cp"))
+    results["flat_hsdp"] = _train_spmd(fsdp, cp_hsdp, DataParallelMeshDims(
+        shard=("dp_shard", "cp"), replicate="dp_replicate"))
+    # Replicate only: torch's DDP through fully_shard, the parameters whole on every rank.
+    results["ddp"] = _train_spmd(fsdp, mesh, DataParallelMeshDims(replicate="dp"))
     if impl == "dptc":
         fsdp.destroy_process_group()
     else:
@@ -332,7 +347,6 @@ def _spmd_errors(fsdp, mesh, DataParallelMeshDims):
     attempt("not_replicate", on_dp_shard, dp_mesh_dims=DataParallelMeshDims(shard="dp"))
     attempt("int_reshard", plain, dp_mesh_dims=DataParallelMeshDims(shard="dp"),
             reshard_after_forward=2)
-    # What dptc does not implement (torch's replicates without sharding, and flattens).
     attempt("replicate_only", plain, dp_mesh_dims=DataParallelMeshDims(replicate="dp"))
     attempt("several_names", plain, dp_mesh_dims=DataParallelMeshDims(shard=("dp", "tp")))
     return cases

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from ..group import default_group, resolve
 from ._api import MixedPrecisionPolicy, OffloadPolicy
 from ._state import State
-from ._unit import Unit
+from ._unit import SpmdLayout, Unit
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method",
            "share_comm_ctx"]
@@ -414,8 +414,8 @@ def _mesh_groups(mesh, device_type):
 
 
 def _spmd_groups(mesh, dp_mesh_dims, device_type):
-    """dp_mesh_dims: (shard group, replicate group or None, (shard mesh dim, data-parallel
-    mesh dims)) of the whole SPMD mesh, checked as torch's fully_shard checks it."""
+    """dp_mesh_dims: (shard group, replicate group or None, SpmdLayout) of the whole SPMD
+    mesh, checked as torch's fully_shard checks it."""
     if not all(hasattr(dp_mesh_dims, name) for name in ("shard_names", "replicate_names")):
         raise TypeError(f"dp_mesh_dims must be a torch.distributed.fsdp.DataParallelMeshDims, "
                         f"got {dp_mesh_dims!r}")
@@ -437,22 +437,24 @@ def _spmd_groups(mesh, dp_mesh_dims, device_type):
     for name in shard + replicate:
         if name not in names:
             raise ValueError(f"Mesh dim name '{name}' not found in mesh.mesh_dim_names {names}")
-    if not shard:
-        raise NotImplementedError(
-            f"dp_mesh_dims={dp_mesh_dims!r} replicates without sharding (torch's DDP through "
-            f"fully_shard), which dptc's fully_shard does not implement; name a dim in "
-            f"shard=, or wrap the module in dptc.DistributedDataParallel")
-    if len(shard) > 1 or len(replicate) > 1:
-        raise NotImplementedError(
-            f"dp_mesh_dims={dp_mesh_dims!r} names several mesh dims for one role, which torch "
-            f"flattens into one; dptc's fully_shard takes one name for shard= and at most one "
-            f"for replicate=: build the SPMD mesh with those dims flattened into one (e.g. "
-            f"one 'dp_shard' dim covering dp_shard x cp)")
-    shard_index = names.index(shard[0])
-    dp_dims = frozenset(names.index(name) for name in shard + replicate)
-    shard_group = resolve(mesh.get_group(shard[0]), "dp_mesh_dims")
-    replicate_group = resolve(mesh.get_group(replicate[0]), "dp_mesh_dims") if replicate else None
-    return shard_group, replicate_group, (shard_index, dp_dims)
+
+    def submesh(dims):     # several dims are flattened into one, as torch's fully_shard does
+        return mesh[dims[0]] if len(dims) == 1 else mesh[dims]._flatten("_".join(dims))
+
+    replicate_mesh = submesh(replicate) if replicate else None
+    if shard:
+        dp_mesh = shard_mesh = submesh(shard)
+        if replicate_mesh is not None:
+            dp_mesh = DeviceMesh._concatenate([replicate_mesh, shard_mesh])
+        shard_group = resolve(shard_mesh.get_group(), "dp_mesh_dims")
+    else:
+        # Replicate only (torch's DDP through fully_shard): a shard group of one per rank,
+        # the parameters whole on every rank, the gradients all-reduced over replicate.
+        dp_mesh = replicate_mesh
+        shard_group = _group_of_one(mesh.device_type)
+    replicate_group = (resolve(replicate_mesh.get_group(), "dp_mesh_dims")
+                       if replicate_mesh is not None else None)
+    return shard_group, replicate_group, SpmdLayout(mesh, shard, replicate, dp_mesh)
 
 
 def _check_spmd_param(param, where, mesh, dp_mesh_dims):
@@ -485,6 +487,17 @@ def _check_spmd_param(param, where, mesh, dp_mesh_dims):
 
 
 _blocks_meshes = {}     # (world group, device type, mesh ranks, k) -> mesh of blocks of k
+
+
+def _group_of_one(device_type):
+    """This rank's group of one, from the mesh over the whole world: every rank makes every
+    group in the same order (a collective), which a mesh that is not the world's (an SPMD
+    mesh without the pipeline dim, a submesh) would not give, its ranks differing by rank."""
+    mesh = _default_mesh.get(device_type)
+    if mesh is None or mesh.size() != dist.get_world_size():
+        mesh = _default_mesh[device_type] = init_device_mesh(device_type,
+                                                             (dist.get_world_size(),))
+    return _blocks_group(mesh, 1)
 
 
 def _blocks_group(mesh, k):

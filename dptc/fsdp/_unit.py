@@ -56,7 +56,7 @@ class _Param:
         # tensor, see [Note: tensor-parallel parameters].
         self.tp_spec = param._spec if isinstance(param, DTensor) else None
         # dp_mesh_dims: tp_spec's mesh is the whole SPMD mesh, see [Note: SPMD meshes].
-        self.dp_shard_index = None            # the mesh dim this unit shards over
+        self.spmd = None                      # its SpmdLayout
         self.dp_dims = None                   # every data-parallel mesh dim
         self.global_shape = param.shape
         self.global_stride = param.stride()
@@ -332,6 +332,65 @@ class ReduceRing:
                 buffer.discard()
 
 
+class SpmdLayout:
+    """[Note: SPMD meshes]
+    Under ``fully_shard(mesh=spmd_mesh, dp_mesh_dims=...)`` every parameter is already a
+    DTensor on the whole SPMD mesh (data-parallel and model-parallel dims alike), placed
+    Replicate() on the data-parallel dims.  The unit shards its local tensor over the group
+    of the shard dims (several are flattened into one group, as torch flattens them) and,
+    with replicate dims, all-reduces over theirs as HSDP; replicate dims alone keep every
+    parameter whole and all-reduce (torch's DDP through fully_shard: a shard group of one).
+    The unsharded parameter is the original DTensor's layout over the gathered local
+    tensor, and its gradient keeps a Partial() on the data-parallel dims (the reduction sums
+    those), as torch's does.  The shard is placed as torch's fully_shard places it: each
+    shard dim Shard(d), or _StridedShard(d, split_factor) where later mesh dims split d too,
+    on the SPMD mesh itself; where several shard dims were flattened, on the mesh whose first
+    shard dim is the flattened one ((replicate, flattened) under HSDP), the others and the
+    replicate dims dropped, and the remaining dims in their order.  (A later torch may place
+    these differently; tests/test_fsdp_tp.py compares with the installed one.)"""
+
+    def __init__(self, mesh, shard_names, replicate_names, dp_mesh):
+        names = mesh.mesh_dim_names
+        self.mesh = mesh
+        self.names = names
+        self.shard_names, self.replicate_names = tuple(shard_names), tuple(replicate_names)
+        self.shard_indices = [names.index(name) for name in shard_names]
+        self.dp_dims = frozenset(self.shard_indices +
+                                 [names.index(name) for name in replicate_names])
+        self.hsdp = bool(shard_names and replicate_names)
+        self.spec_mesh = mesh
+        if len(shard_names) > 1:
+            submeshes = []
+            for i, name in enumerate(names):
+                if name == shard_names[0]:
+                    submeshes.append(dp_mesh)
+                elif name not in shard_names and not (self.hsdp and name in replicate_names):
+                    submeshes.append(mesh[name])
+            self.spec_mesh = DeviceMesh._concatenate(submeshes)
+
+    def placements(self, original, dim):
+        """(mesh, placements) of the shard of a parameter placed ``original`` on the SPMD
+        mesh, sharded on its dim ``dim``."""
+        placements = list(original)
+        mesh = self.mesh
+        for index in self.shard_indices:
+            split = math.prod(mesh.size(j) for j in range(index + 1, mesh.ndim)
+                              if isinstance(original[j], (Shard, _StridedShard))
+                              and original[j].dim == dim)
+            placements[index] = (_StridedShard(dim, split_factor=split) if split > 1
+                                 else Shard(dim))
+        if len(self.shard_names) <= 1:
+            return mesh, tuple(placements)
+        out = []
+        for i, name in enumerate(self.names):
+            if name == self.shard_names[0]:
+                out += [Replicate(), placements[i]] if self.hsdp else [placements[i]]
+            elif name not in self.shard_names and not (self.hsdp and
+                                                        name in self.replicate_names):
+                out.append(placements[i])
+        return self.spec_mesh, tuple(out)
+
+
 class Unit:
     """The parameters one fully_shard call manages, on the mesh's shard group (and, for HSDP,
     its replicate group)."""
@@ -353,9 +412,9 @@ class Unit:
         shard_dims = shard_dims or [0] * len(params_and_locations)
         self.params = [_Param(param, locations, size, rank, dim)
                        for (param, locations), dim in zip(params_and_locations, shard_dims)]
-        if spmd is not None:   # (shard mesh dim, data-parallel mesh dims): dp_mesh_dims
+        if spmd is not None:   # an SpmdLayout: dp_mesh_dims
             for p in self.params:
-                p.dp_shard_index, p.dp_dims = spmd
+                p.spmd, p.dp_dims = spmd, spmd.dp_dims
         self.mp_policy = mp_policy
         self.buckets = self._make_buckets()
         self.divide_factor = None        # set_gradient_divide_factor
@@ -521,25 +580,9 @@ class Unit:
                                   shape=p.global_shape, stride=p.global_stride)
 
     def _spmd_dtensor(self, local, p):
-        """[Note: SPMD meshes]
-        Under ``fully_shard(mesh=spmd_mesh, dp_mesh_dims=...)`` every parameter is already a
-        DTensor on the whole SPMD mesh (data-parallel and model-parallel dims alike), placed
-        Replicate() on the data-parallel dims.  The unit shards its local tensor over the
-        shard dim's group (and all-reduces over the replicate dim's, as HSDP), as for a
-        tensor-parallel parameter, and the shard is a DTensor on that same mesh whose shard
-        dim is placed Shard(d), or _StridedShard(d, split_factor) where mesh dims after it
-        split d too, as torch's fully_shard places it; the other dims keep their placements.
-        The unsharded parameter is the original DTensor's layout over the gathered local
-        tensor, and its gradient keeps a Partial on the data-parallel dims (the reduction
-        sums those), as torch's does."""
-        spec = p.tp_spec
-        placements = list(spec.placements)
-        split = math.prod(spec.mesh.size(j) for j in range(p.dp_shard_index + 1, spec.mesh.ndim)
-                          if isinstance(placements[j], (Shard, _StridedShard))
-                          and placements[j].dim == p.dim)
-        placements[p.dp_shard_index] = (_StridedShard(p.dim, split_factor=split) if split > 1
-                                        else Shard(p.dim))
-        return DTensor.from_local(local, spec.mesh, tuple(placements), run_check=False,
+        """The shard of p, a parameter on the whole SPMD mesh: see SpmdLayout."""
+        mesh, placements = p.spmd.placements(p.tp_spec.placements, p.dim)
+        return DTensor.from_local(local, mesh, placements, run_check=False,
                                   shape=p.global_shape, stride=p.global_stride)
 
     def _spmd_mesh(self, tp_mesh):
