@@ -56,19 +56,21 @@ def _max_rel(values, refs):
     return worst
 
 
-def pipeline_case(impl, schedule, share=False):
+def pipeline_case(impl, schedule, share=False, mixed=False):
     """{"ok", "ref_rel", "params", "stage", "dp_rank", "loss"} (or "error"): the trained
     stages' full parameters against the reference's, after STEPS steps.  Schedules of one
     stage per rank ("gpipe", "1f1b") split the MLP in 2 stages, each fully_shard per linear
     and as a whole; those of two ("interleaved1f1b", "loopedbfs", "zerobubble") in 4, each
-    one unit.  share: share_comm_ctx over a rank's stages, as torchtitan calls it."""
+    one unit.  share: share_comm_ctx over a rank's stages, as torchtitan calls it.  mixed:
+    every unit under MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32), so the
+    micro-batches' gradients accumulate in float32 between the schedule's backwards."""
     try:
-        return _pipeline(impl, schedule, share)
+        return _pipeline(impl, schedule, share, mixed)
     except Exception:   # noqa: BLE001 - reported to the test
         return {"ok": False, "error": traceback.format_exc()}
 
 
-def _pipeline(impl, schedule_name, share):
+def _pipeline(impl, schedule_name, share, mixed):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
@@ -90,14 +92,18 @@ def _pipeline(impl, schedule_name, share):
     multi = schedule_name in MULTI
     stages = 4 if multi else 2
     indices = [pp_rank, pp_rank + 2] if multi else [pp_rank]
+    kwargs = {}
+    if mixed:
+        kwargs["mp_policy"] = fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                        reduce_dtype=torch.float32)
     chunks = []
     for stage_index in indices:
         torch.manual_seed(SEED)
         chunk = _mlp()[_stage_slice(stage_index, stages)]
         for layer in chunk:
             if isinstance(layer, nn.Linear) and not multi:
-                fsdp.fully_shard(layer, mesh=mesh["dp"])
-        fsdp.fully_shard(chunk, mesh=mesh["dp"])
+                fsdp.fully_shard(layer, mesh=mesh["dp"], **kwargs)
+        fsdp.fully_shard(chunk, mesh=mesh["dp"], **kwargs)
         chunks.append(chunk)
     if share:
         fsdp.share_comm_ctx(chunks)   # as torchtitan does for the chunks of one rank
