@@ -4,10 +4,11 @@ Layer: 4 ranks, a (pp=2, dp=2) mesh; rank-side code in tests/workers_fsdp_pipeli
 MLP of 4 linears split into 2 stages, each stage fully_shard over mesh["dp"] (its linears,
 then the stage), driven by torch's PipelineStage and ScheduleGPipe or Schedule1F1B with 2
 micro-batches, 3 AdamW steps in float64; and in 4 stages, two per pp rank, under
-ScheduleInterleaved1F1B, ScheduleLoopedBFS and ScheduleInterleavedZeroBubble.  torch's schedule accumulates the micro-batches
-without sync and then reduces through torch's FSDP state of the stage (see [Note: torch's
-pipelining] in dptc/fsdp/_fully_shard.py).  One launch per implementation and schedule:
-dptc's fully_shard and torch's (gloo), each against the single process on the whole batch.
+ScheduleInterleaved1F1B, ScheduleLoopedBFS and ScheduleInterleavedZeroBubble.  torch's
+schedule accumulates the micro-batches without sync and then reduces through torch's FSDP
+state of the stage (see [Note: torch's pipelining] in dptc/fsdp/_fully_shard.py).  One
+launch per implementation and schedule: dptc's fully_shard and torch's (gloo), each against
+the single process on the whole batch.
 """
 
 import pytest
