@@ -296,22 +296,35 @@ def _world_layout(store, rank, size):
     """The node index of every global rank, agreed by every rank.
 
     A rank's node key is torchrun's node index (GROUP_RANK) when set, else its host name.
-    Nodes are numbered by their lowest rank.
+    Nodes are numbered by their lowest rank.  Every rank publishes its LOCAL_RANK with its key
+    and checks every rank's against the layout, so that a contradiction (say LOCAL_RANK set by
+    hand as for two hosts, on processes that share one host name) is the same ValueError on
+    every rank at once, not an error on some ranks and a store timeout on the others.
     """
     key = os.environ.get("GROUP_RANK")
     key = f"node{key}" if key is not None else f"host:{socket.gethostname()}"
-    store.set(f"node_key/{rank}", key)
-    keys = [store.get(f"node_key/{r}").decode() for r in range(size)]
+    # A host name holds no newline, so one value carries both.
+    store.set(f"node_key/{rank}", f"{os.environ.get('LOCAL_RANK', '')}\n{key}")
+    values = [store.get(f"node_key/{r}").decode().split("\n", 1) for r in range(size)]
+    keys = [k for _, k in values]
     order = []
     for k in keys:
         if k not in order:
             order.append(k)
     nodes = [order.index(k) for k in keys]
-    local_rank = [r for r in range(size) if nodes[r] == nodes[rank]].index(rank)
-    env_local = os.environ.get("LOCAL_RANK")
-    if env_local is not None and int(env_local) != local_rank:
-        raise ValueError(f"LOCAL_RANK={env_local} disagrees with the layout dptc derived "
-                         f"(local rank {local_rank} of node {nodes[rank]}); launch with torchrun")
+    local_ranks = [nodes[:r].count(nodes[r]) for r in range(size)]
+    wrong = [f"rank {r} has LOCAL_RANK={given} but is local rank {local_ranks[r]} of node "
+             f"{nodes[r]} ({keys[r].replace('host:', 'host ', 1)})"
+             for r, (given, _) in enumerate(values) if given and given != str(local_ranks[r])]
+    if wrong:
+        how = ("their host names" if all(k.startswith("host:") for k in keys) else
+               "GROUP_RANK, or their host names where it is unset")
+        raise ValueError(
+            f"LOCAL_RANK disagrees with the node layout dptc derived from {how}: "
+            f"{'; '.join(wrong[:4])}{'; ...' if len(wrong) > 4 else ''}.  Ranks with one host "
+            f"name count as one node; launch with torchrun, or set GROUP_RANK to each "
+            f"process's node index (and LOCAL_RANK to its index within the node) when setting "
+            f"RANK and WORLD_SIZE by hand")
     return nodes
 
 

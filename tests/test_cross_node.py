@@ -152,3 +152,21 @@ def test_groups_with_unequal_members_per_node():
             assert size == 3 and nnodes == 3 and local_size == 1 and node == group_rank, \
                 (rank, members, result["layouts"])
     assert sorted(len(r["layouts"]) for r in results) == [1, 1, 2, 2], results
+
+
+def test_local_rank_that_disagrees_with_the_hosts_fails_every_rank():
+    """Launch variables set by hand as for two hosts (LOCAL_RANK 0, 1, 0, 1, no GROUP_RANK)
+    on processes that share one host name: dptc tells nodes apart by host name and derives
+    local ranks 0-3, which ranks 2 and 3 contradict.  Every rank, not only those two, raises
+    the same ValueError at once, naming the ranks, the variables and the remedy; before, ranks
+    0 and 1 waited DPTC_TIMEOUT (30 s) for the others and raised DistStoreError."""
+    results = run_ranks(TARGET + "init_with_hand_set_layout", WORLD, nnodes=NNODES, timeout=90,
+                        env={"GROUP_RANK": None, "GROUP_WORLD_SIZE": None})
+    messages = {result["error"] for result in results}
+    assert [result["error_type"] for result in results] == ["ValueError"] * WORLD, results
+    assert len(messages) == 1, results
+    message = messages.pop()
+    for part in ("LOCAL_RANK", "rank 2 has LOCAL_RANK=0", "rank 3 has LOCAL_RANK=1",
+                 "GROUP_RANK", "host name", "torchrun"):
+        assert part in message, message
+    assert max(result["after"] for result in results) < PROPAGATION_S, results

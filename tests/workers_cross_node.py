@@ -291,3 +291,18 @@ def uneven_groups():
         dptc.barrier(group=group)
     dptc.barrier()
     return {"failures": failures, "layouts": layouts}
+
+
+def init_with_hand_set_layout():
+    """dptc's first call in a process whose launch variables were set by hand; returns what it
+    did: error_type, error (None when it initialised) and after, its seconds."""
+    import dptc
+    start = time.monotonic()
+    record = {"error_type": None, "error": None}
+    try:
+        dptc.init_process_group()
+        dptc.barrier()
+    except Exception as error:  # noqa: BLE001 - reported to the test, which asserts on it
+        record.update(error_type=type(error).__name__, error=str(error))
+    record["after"] = time.monotonic() - start
+    return record
