@@ -57,7 +57,7 @@
 #endif
 
 #define SHM_MAGIC 0x64707463u /* "dptc" */
-#define SHM_VERSION 1u
+#define SHM_VERSION 2u
 #define CACHE_LINE 64
 #define ALIGN_BYTES 4096
 #define SLEEP_SLICE_S 0.02
@@ -89,6 +89,8 @@ typedef struct {
     _Alignas(CACHE_LINE) _Atomic uint32_t counter;  /* steps posted (futex word) */
     _Atomic uint32_t sleepers;                      /* waiters sleeping on counter */
     _Atomic int32_t pid;                            /* for liveness checks */
+    _Atomic uint32_t left;                          /* 1 once it closed the group, see
+                                                       [Note: a rank that leaves] */
     _Atomic int32_t share_fd;                       /* memfd of the shared buffer being made */
     _Atomic uint32_t staging[STAGED_OPS];           /* local rank 0's choice for the next large
                                                        collective, see [Note: staging] */
@@ -339,6 +341,16 @@ static dptc_status wait_peer(channel *ch, int peer, uint32_t target, double dead
             status = dptc_fail(err, DPTC_ERR_INTERRUPTED,
                                "global rank %d was interrupted while waiting in a collective",
                                global_rank(s, s->local_rank));
+            break;
+        }
+        if (atomic_load(&ch->peers[peer].left) &&
+            !step_reached(atomic_load(word), target)) {
+            status = dptc_fail(err, DPTC_ERR_PEER_LOST,
+                               "global rank %d (pid %d) closed the group "
+                               "(destroy_process_group, or its process exiting) while global "
+                               "rank %d, on its node, waited for it at step %u of stream %d",
+                               global_rank(s, peer), (int)atomic_load(&ch->peers[peer].pid),
+                               global_rank(s, s->local_rank), target, ch->index);
             break;
         }
         if (!pid_alive(atomic_load(&ch->peers[peer].pid))) {
@@ -1609,9 +1621,29 @@ static void shm_abort(dptc_transport *t, dptc_status status, const char *reason)
             futex(&s->channels[k].peers[p].counter, FUTEX_WAKE, INT_MAX, NULL);
 }
 
+/* [Note: a rank that leaves]
+ * A rank that closes the group posts no step after it, so a peer still waiting
+ * for one of its steps waits in vain; the pid check alone notices that only
+ * once the process is gone, which takes seconds with torch loaded, and as long
+ * as the script's own exit handlers (a logger's flush) run.  Closing marks the
+ * rank's records `left` and wakes their sleepers.  A waiter that sees `left`
+ * reads the counter again before it fails: the counter's last step was posted
+ * before `left`, so a step the rank did post is never taken for a lost one. */
+static void mark_left(shm_transport *s)
+{
+    for (int k = 0; k < s->nstreams; k++) {
+        peer_record *me = s->channels[k].peers ? &s->channels[k].peers[s->local_rank] : NULL;
+        if (!me)
+            continue;
+        atomic_store(&me->left, 1);
+        futex(&me->counter, FUTEX_WAKE, INT_MAX, NULL);
+    }
+}
+
 static void shm_destroy(dptc_transport *t)
 {
     shm_transport *s = (shm_transport *)t;
+    mark_left(s);
     /* Shared buffers belong to their owners; only forget them. */
     free(s->shared);
     free(s->global_ranks);

@@ -7,9 +7,13 @@ so a failure that is noticed only by a timeout fails the PROPAGATION_S bounds be
 Rank-side functions are in tests/workers_cross_node.py.
 """
 
+import json
+import tempfile
+from pathlib import Path
+
 import pytest
 
-from tests._launch import run_ranks
+from tests._launch import run_ranks, run_torchrun_nodes
 
 WORLD = 4
 NNODES = 2
@@ -21,6 +25,8 @@ MIN_SLOT_BYTES = 65536
 DEFAULT_SLOT_BYTES = 1 << 20   # dptc/group.py DEFAULT_SLOT_BYTES
 CACHE_LINE = 64                # csrc/shm.c, parts of a slot are multiples of 64 bytes
 TARGET = "tests.workers_cross_node:"
+FAILURE_SCRIPT = Path("tests") / "scripts" / "two_node_failure.py"
+FAILURE_VICTIM = 3             # tests/scripts/two_node_failure.py VICTIM: local rank 1 of node 1
 
 
 def _describe(records):
@@ -170,3 +176,36 @@ def test_local_rank_that_disagrees_with_the_hosts_fails_every_rank():
                  "GROUP_RANK", "host name", "torchrun"):
         assert part in message, message
     assert max(result["after"] for result in results) < PROPAGATION_S, results
+
+
+@pytest.mark.parametrize("how", ["uncaught", "exit", "sigkill"])
+def test_torchrun_node_fails_on_a_peer_failure(how):
+    """Two torchrun --nnodes=2 invocations of 2 ranks train HSDP (replicate across the nodes,
+    shard within); global rank 3 (node 1) fails mid-step (tests/scripts/two_node_failure.py):
+    an uncaught exception, an exception the script catches before sys.exit(1) while its
+    interpreter takes 20 s to finish, or SIGKILL.  Both ranks of node 0 raise a dptc.DistError
+    within PROPAGATION_S of the failure (not at DPTC_TIMEOUT, 30 s, nor once the victim's
+    process is gone), and both torchrun invocations exit with an error.  Rank 2, the victim's
+    node peer, raises a DistError as promptly unless its torchrun agent stops it first (torchrun
+    stops a node's workers once another node's have failed)."""
+    with tempfile.TemporaryDirectory(prefix="dptc-two-node-failure-") as out:
+        outputs = run_torchrun_nodes([str(FAILURE_SCRIPT), "--how", how, "--out", out],
+                                     nnodes=NNODES, nproc_per_node=WORLD // NNODES, timeout=150)
+        records = {}
+        for path in Path(out).glob("rank*.json"):
+            record = json.loads(path.read_text())
+            records[record["rank"]] = record
+    report = "\n".join(f"--- node {node}: return code {code}\nstderr:\n{err[-2500:]}"
+                       for node, (code, _, err) in enumerate(outputs)) + f"\nrecords: {records}"
+    assert [code for code, _, _ in outputs] == [1, 1], report
+    failed_at = records[FAILURE_VICTIM]["failed_at"]
+    for rank in (0, 1, 2):
+        if rank == 2 and rank not in records:
+            continue
+        record = records.get(rank, {})
+        assert "DistError" in record.get("error_mro", ()), (rank, report)
+        assert record["raised_at"] - failed_at < PROPAGATION_S, (rank, report)
+    if how == "exit" and 2 in records:
+        assert records[2]["error"].startswith(
+            f"global rank {FAILURE_VICTIM} (pid "), report
+        assert "closed the group" in records[2]["error"], report
