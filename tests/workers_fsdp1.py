@@ -947,3 +947,44 @@ def sync_ignored_case():
            "ignored_kept": [bool(torch.equal(p.detach(), q)) for p, q in zip(ignored, own)]}
     dptc.destroy_process_group()
     return out
+
+
+def post_accumulate_hooks_case(impl):
+    """register_post_accumulate_grad_hook on every parameter of a FULL_SHARD float32 GPT, with
+    use_orig_params True and False, hooks that only record what they see.  Per setting: the
+    hooks' calls in one training step ([numel of the tensor the hook got, its gradient's sum])
+    or the error the step raised (it is then taken again with the hooks removed), then the
+    parameters after a second step without hooks (float64 lists)."""
+    api, FSDP = _api(impl)
+    import torch.distributed as dist
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for use_orig_params in (True, False):
+        model = FSDP(build(n_layer=2).float(), device_id="cpu",
+                     use_orig_params=use_orig_params,
+                     auto_wrap_policy=functools.partial(_policy(impl),
+                                                        transformer_layer_cls={Block}))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        calls = []
+
+        def record(param):
+            calls.append([param.numel(), float(param.grad.double().sum())])
+        handles = [p.register_post_accumulate_grad_hook(record) for p in model.parameters()]
+        generator = torch.Generator().manual_seed(SEED)
+        state = generator.get_state()
+        error = _error(lambda: _loss_step(model, opt, rank, world, generator))
+        for handle in handles:
+            handle.remove()
+        if error is not None:
+            generator.set_state(state)
+            _loss_step(model, opt, rank, world, generator)
+        _loss_step(model, opt, rank, world, generator)
+        with FSDP.summon_full_params(model, writeback=False):
+            params = [p.detach().double().flatten().tolist() for p in model.parameters()]
+        out[f"use_orig_params={use_orig_params}"] = {
+            "calls": calls, "error": error, "params": params,
+            "local_numels": [p.numel() if not hasattr(p, "to_local") else p.to_local().numel()
+                             for p in model.parameters()]}
+    if impl == "dptc":
+        api.destroy_process_group()
+    return out

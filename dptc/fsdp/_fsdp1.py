@@ -296,7 +296,42 @@ class FullyShardedDataParallel(nn.Module):
         return self._fsdp_wrapped_module
 
     def forward(self, *args, **kwargs):
+        if self.check_is_root():
+            self._refuse_post_accumulate_grad_hooks()
         return self._fsdp_wrapped_module(*args, **kwargs)
+
+    # [Note: FSDP1 and post-accumulate-grad hooks]
+    # torch's FullyShardedDataParallel runs no hook registered with
+    # register_post_accumulate_grad_hook on the parameters a script sees with
+    # use_orig_params=True (autograd accumulates into its flat parameter, never into them),
+    # and with use_orig_params=False, where the flat parameters are the parameters, runs them
+    # on a flat parameter holding this rank's unsharded, unreduced gradient, in every backward
+    # (no_sync's too).  dptc has no flat parameter, and fully_shard's own behaviour (the hooks
+    # run after the reduced gradient, as torch's fully_shard runs them) would train to other
+    # numbers than torch's FSDP1.  So the root's forward refuses such hooks on the parameters
+    # the instances manage (ignored parameters are autograd's leaves: their hooks run as
+    # under torch), before any gather of that forward.
+
+    def _refuse_post_accumulate_grad_hooks(self):
+        managed = self.__dict__.get("_managed_params")
+        if managed is None:
+            managed = self.__dict__["_managed_params"] = [
+                p.sharded for fsdp in self.fsdp_modules(self)
+                for p in (fsdp.__dict__["_fsdp_state"].unit.params
+                          if fsdp.__dict__["_fsdp_state"].unit is not None else ())]
+        hooked = [param for param in managed if param._post_accumulate_grad_hooks]
+        if not hooked:
+            return
+        with _original_names():
+            names = [name for name, param in self.named_parameters()
+                     if any(param is h for h in hooked)]
+        raise RuntimeError(
+            f"register_post_accumulate_grad_hook on parameters of FullyShardedDataParallel "
+            f"({', '.join(names)}): torch's FullyShardedDataParallel never runs such hooks "
+            f"with use_orig_params=True, and with use_orig_params=False runs them on its flat "
+            f"parameter with this rank's unsharded, unreduced gradient, which dptc does not "
+            f"have; remove the hooks (the handle's remove()), or shard with dptc.fully_shard, "
+            f"which runs them after the reduced gradient as torch's fully_shard does")
 
     def __getattr__(self, name):
         # Attributes the wrapper lacks are the wrapped module's, as with torch's.
