@@ -988,3 +988,72 @@ def post_accumulate_hooks_case(impl):
     if impl == "dptc":
         api.destroy_process_group()
     return out
+
+
+class _NormBlock(torch.nn.Module):
+    """A block with a BatchNorm, as in the CNNs FSDP1 scripts wrap: Linear, BatchNorm1d, and
+    a float buffer of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.norm = torch.nn.BatchNorm1d(8)
+        self.register_buffer("scale", torch.full((8,), 0.5))
+
+    def forward(self, x):
+        return torch.relu(self.norm(self.lin(x))) * self.scale
+
+
+def _norm_net():
+    torch.manual_seed(SEED)
+    return torch.nn.Sequential(_NormBlock(), _NormBlock(), torch.nn.Linear(8, 2))
+
+
+def batch_norm_precision_case(impl):
+    """FULL_SHARD, float32, 2 ranks: a network of _NormBlocks under MixedPrecision with an
+    auto_wrap_policy (a ModuleWrapPolicy object and a lambda_auto_wrap_policy function), two
+    SGD steps.  Per (policy, precision): the warnings naming the modules left in full
+    precision, the instances, the buffers' dtypes after training, the trained parameters and
+    buffers (float64 lists), or the error."""
+    import warnings
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy, lambda_auto_wrap_policy
+    api, FSDP = _api(impl)
+    import torch.distributed as dist
+    rank = dist.get_rank()
+    policies = {"ModuleWrapPolicy": ModuleWrapPolicy({_NormBlock}),
+                "lambda": functools.partial(lambda_auto_wrap_policy,
+                                            lambda_fn=lambda m: isinstance(m, _NormBlock))}
+    precisions = {
+        "bf16": api.MixedPrecision(torch.bfloat16, torch.float32, torch.bfloat16),
+        "buffer_fp16": api.MixedPrecision(buffer_dtype=torch.float16),
+        "param_fp64": api.MixedPrecision(param_dtype=torch.float64)}
+    out = {}
+    for (pname, policy), (mname, mp) in ((p, m) for p in policies.items()
+                                         for m in precisions.items()):
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                model = FSDP(_norm_net(), auto_wrap_policy=policy, mixed_precision=mp,
+                             device_id="cpu", use_orig_params=True)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            generator = torch.Generator().manual_seed(SEED + rank)
+            for _ in range(2):
+                x = torch.randn(4, 8, generator=generator)
+                model(x).float().pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+            with FSDP.summon_full_params(model, writeback=False):
+                params = [p.detach().double().flatten().tolist() for p in model.parameters()]
+            out[f"{pname}/{mname}"] = {
+                "warnings": [str(w.message) for w in caught
+                             if "mixed precision disabled" in str(w.message)],
+                "instances": len(FSDP.fsdp_modules(model)),
+                "buffer_dtypes": {name.replace("_fsdp_wrapped_module.", ""): str(b.dtype)
+                                  for name, b in model.named_buffers()},
+                "buffers": [b.double().flatten().tolist() for b in model.buffers()],
+                "params": params}
+        except Exception:  # noqa: BLE001 - reported to the test
+            out[f"{pname}/{mname}"] = {"error": traceback.format_exc()}
+    if impl == "dptc":
+        api.destroy_process_group()
+    return out

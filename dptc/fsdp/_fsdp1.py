@@ -15,6 +15,7 @@ every parameter is a DTensor shard, as under fully_shard.
 
 import collections
 import contextlib
+import functools
 import warnings
 
 import torch
@@ -32,7 +33,7 @@ from ..group import default_group
 from ._api import MixedPrecisionPolicy
 from ._comm_hooks import resolve as resolve_comm_hook
 from ._fully_shard import FSDPModule, fully_shard
-from ._wrap import policy_targets
+from ._wrap import _Policy, policy_targets
 
 __all__ = ["FullyShardedDataParallel", "ShardingStrategy", "BackwardPrefetch", "MixedPrecision",
            "CPUOffload", "StateDictType", "FullStateDictConfig", "ShardedStateDictConfig"]
@@ -156,6 +157,49 @@ def _policy_of(mixed_precision, root):
                                 cast_forward_inputs=bool(cast))
 
 
+def _exempt_from_mixed_precision(module, policy, classes):
+    """torch's FSDP1 given an auto_wrap_policy and a MixedPrecision: every module of
+    MixedPrecision's _module_classes_to_ignore (BatchNorm's, by default) becomes an instance of
+    its own without mixed precision, its floating-point inputs cast to float32 and its outputs
+    back (torch's own hooks, which also mark the module's _wrap_overrides), with torch's
+    warning.  Returns the policy that chooses them too, as torch's: or'ed with wrapping those
+    classes for a policy function; for a policy object the caller adds the modules marked."""
+    from torch.distributed.fsdp._common_utils import _override_module_mixed_precision
+    from torch.distributed.fsdp._wrap_utils import _warn_on_overridden_mixed_precision
+    from torch.distributed.fsdp.wrap import _or_policy, _wrap_module_cls_individually
+    overridden = _override_module_mixed_precision(module, classes)
+    _warn_on_overridden_mixed_precision(overridden)
+    if not overridden:
+        return policy
+    if isinstance(policy, _Policy):
+        return _PolicyWithExempt(policy, tuple(set(classes)))
+    return functools.partial(_or_policy, policies=[policy, functools.partial(
+        _wrap_module_cls_individually, module_classes=classes)])
+
+
+class _PolicyWithExempt(_Policy):
+    """A wrap policy object's choice plus the modules of `classes`, as torch's
+    _run_mixed_precision_override_policy adds them."""
+
+    def __init__(self, policy, classes):
+        self.policy, self.classes = policy, classes
+
+    def _run_policy(self, root_module, ignored_modules, root_kwargs):
+        targets = self.policy._run_policy(root_module, ignored_modules, root_kwargs)
+        for sub in root_module.modules():
+            if isinstance(sub, self.classes) and sub not in ignored_modules:
+                targets.setdefault(sub, {})
+        return targets
+
+
+def _own_modules(module):
+    """module and its submodules, not entering nested FullyShardedDataParallel instances."""
+    yield module
+    for child in module.children():
+        if not isinstance(child, FullyShardedDataParallel):
+            yield from _own_modules(child)
+
+
 class FullyShardedDataParallel(nn.Module):
     """torch's ``FullyShardedDataParallel`` with its 2.13 signature, built on
     ``dptc.fully_shard``.  See the module docstring."""
@@ -186,8 +230,12 @@ class FullyShardedDataParallel(nn.Module):
                 ignored_params.update(ignored.parameters())
             else:
                 ignored_params.add(ignored)
+        if auto_wrap_policy is not None and mixed_precision is not None:
+            auto_wrap_policy = _exempt_from_mixed_precision(
+                module, auto_wrap_policy, mixed_precision._module_classes_to_ignore)
         targets = {} if auto_wrap_policy is None else {
-            target: overrides for target, overrides in
+            target: {**overrides, **getattr(target, "_wrap_overrides", {})}
+            for target, overrides in
             policy_targets(module, auto_wrap_policy, ignored_params).items()
             if not any(p in ignored_params for p in target.parameters(recurse=False))}
         self._materialize(module, param_init_fn, device, list(targets))
@@ -195,11 +243,6 @@ class FullyShardedDataParallel(nn.Module):
             module.to(device)             # as torch's, for a module given with device_id
         if sync_module_states:
             self._broadcast_from_rank0(module, ignored_params)
-        if mixed_precision is not None and mixed_precision.buffer_dtype is not None:
-            for buffer_module in module.modules():
-                for name, buffer in buffer_module._buffers.items():
-                    if buffer is not None and buffer.is_floating_point():
-                        buffer_module._buffers[name] = buffer.to(mixed_precision.buffer_dtype)
         self.sharding_strategy = strategy
         self.mixed_precision = mixed_precision
         # torch's FSDP1 attribute: the group a unit shards over (all ranks for NO_SHARD).
@@ -224,6 +267,13 @@ class FullyShardedDataParallel(nn.Module):
                 setattr(parent, name, FullyShardedDataParallel(
                     target, ignored_states=list(ignored_params), **kwargs))
         self._fsdp_wrapped_module = module
+        if mixed_precision is not None and mixed_precision.buffer_dtype is not None:
+            # This instance's buffers: the nested instances cast theirs by their own policy
+            # (none, for the modules exempt from mixed precision), as torch's.
+            for buffer_module in _own_modules(module):
+                for name, buffer in buffer_module._buffers.items():
+                    if buffer is not None and buffer.is_floating_point():
+                        buffer_module._buffers[name] = buffer.to(mixed_precision.buffer_dtype)
         reshard = strategy not in (ShardingStrategy.SHARD_GRAD_OP,
                                    ShardingStrategy._HYBRID_SHARD_ZERO2)
         fully_shard(module, mesh=mesh, reshard_after_forward=reshard if not _root else None,
