@@ -521,3 +521,22 @@ def test_batch_norm_left_in_full_precision_as_torchs():
             assert _rel(got["params"], want["params"]) <= 1e-6, (rank, case)
             assert _rel(got["buffers"], want["buffers"]) <= 1e-6, (rank, case)
         assert result["lambda/bf16"]["buffer_dtypes"]["0.scale"] == "torch.bfloat16"
+
+
+def test_state_dicts_give_buffers_in_their_own_dtype_as_torchs():
+    """MixedPrecision(buffer_dtype=float16), 2 ranks, buffers of a nested instance and of the
+    root: the module computes with float16 buffers (BatchNorm's statistics left float32), and
+    FULL and SHARDED state dicts give every buffer in the dtype it had before wrapping, float32,
+    with torch's values (the float16 ones, exactly).  (dptc's state dicts held float16.)"""
+    mine = run_ranks("tests.workers_fsdp1:buffer_state_dict_case", 2, args={"impl": "dptc"},
+                     timeout=LAUNCH_TIMEOUT_S)
+    theirs = run_ranks("tests.workers_fsdp1:buffer_state_dict_case", 2,
+                       args={"impl": "torch"}, timeout=LAUNCH_TIMEOUT_S, reference=True)
+    for rank, (result, reference) in enumerate(zip(mine, theirs)):
+        assert result["module"] == reference["module"], (rank, result["module"])
+        assert result["module"]["0.scale"] == result["module"]["1.scale"] == "torch.float16"
+        for kind in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
+            assert sorted(result[kind]) == sorted(result["module"]), (rank, kind)
+            for key, (dtype, values) in result[kind].items():
+                assert dtype == reference[kind][key][0] == "torch.float32", (rank, kind, key)
+                assert values == reference[kind][key][1], (rank, kind, key)

@@ -1057,3 +1057,33 @@ def batch_norm_precision_case(impl):
     if impl == "dptc":
         api.destroy_process_group()
     return out
+
+
+def buffer_state_dict_case(impl):
+    """MixedPrecision(buffer_dtype=float16), FULL_SHARD, 2 ranks, a network of _NormBlocks whose
+    first block is an instance of its own (the second's buffers are the root's), one training
+    step: the buffers' dtypes in the module, in a FULL and in a SHARDED state dict, and the
+    state dicts' buffer values (float64 lists), by key."""
+    from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
+    api, FSDP = _api(impl)
+    import torch.distributed as dist
+    rank = dist.get_rank()
+    net = _norm_net()
+    first = net[0]
+    model = FSDP(net, device_id="cpu", use_orig_params=True,
+                 mixed_precision=api.MixedPrecision(buffer_dtype=torch.float16),
+                 auto_wrap_policy=functools.partial(lambda_auto_wrap_policy,
+                                                    lambda_fn=lambda m: m is first))
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(SEED + rank))
+    model(x).pow(2).mean().backward()
+    out = {"module": {name.replace("_fsdp_wrapped_module.", ""): str(b.dtype)
+                      for name, b in model.named_buffers() if b.is_floating_point()}}
+    for kind in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
+        with FSDP.state_dict_type(model, getattr(api.StateDictType, kind)):
+            state = model.state_dict()
+        buffers = {key: value for key, value in state.items() if key in out["module"]}
+        out[kind] = {key: [str(value.dtype), value.double().flatten().tolist()]
+                     for key, value in buffers.items()}
+    if impl == "dptc":
+        api.destroy_process_group()
+    return out

@@ -192,12 +192,13 @@ class _PolicyWithExempt(_Policy):
         return targets
 
 
-def _own_modules(module):
-    """module and its submodules, not entering nested FullyShardedDataParallel instances."""
-    yield module
-    for child in module.children():
+def _own_modules(module, path=""):
+    """(path + ".", submodule) for module and its submodules, not entering nested
+    FullyShardedDataParallel instances."""
+    yield path, module
+    for name, child in module.named_children():
         if not isinstance(child, FullyShardedDataParallel):
-            yield from _own_modules(child)
+            yield from _own_modules(child, f"{path}{name}.")
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -267,12 +268,15 @@ class FullyShardedDataParallel(nn.Module):
                 setattr(parent, name, FullyShardedDataParallel(
                     target, ignored_states=list(ignored_params), **kwargs))
         self._fsdp_wrapped_module = module
+        # This instance's buffers in buffer_dtype: the nested instances cast theirs by their
+        # own policy (none, for the modules exempt from mixed precision), as torch's.  State
+        # dicts give them in the dtypes they had, as torch's.
+        self._buffer_dtypes = {}
         if mixed_precision is not None and mixed_precision.buffer_dtype is not None:
-            # This instance's buffers: the nested instances cast theirs by their own policy
-            # (none, for the modules exempt from mixed precision), as torch's.
-            for buffer_module in _own_modules(module):
+            for path, buffer_module in _own_modules(module):
                 for name, buffer in buffer_module._buffers.items():
                     if buffer is not None and buffer.is_floating_point():
+                        self._buffer_dtypes[path + name] = buffer.dtype
                         buffer_module._buffers[name] = buffer.to(mixed_precision.buffer_dtype)
         reshard = strategy not in (ShardingStrategy.SHARD_GRAD_OP,
                                    ShardingStrategy._HYBRID_SHARD_ZERO2)
@@ -560,6 +564,9 @@ class FullyShardedDataParallel(nn.Module):
                 value = value.detach().clone()
             if rank0_only and dist.get_rank() != 0:
                 continue
+            dtype = self._buffer_dtypes.get(_clean(key[len(prefix):]))
+            if dtype is not None and value.dtype != dtype:
+                value = value.to(dtype)
             state_dict[_clean(key)] = value
         return state_dict
 
