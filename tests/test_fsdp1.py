@@ -540,3 +540,26 @@ def test_state_dicts_give_buffers_in_their_own_dtype_as_torchs():
             for key, (dtype, values) in result[kind].items():
                 assert dtype == reference[kind][key][0] == "torch.float32", (rank, kind, key)
                 assert values == reference[kind][key][1], (rank, kind, key)
+
+
+def test_forward_inside_summon_full_params_as_torchs():
+    """A forward inside summon_full_params before any training forward (generating with
+    summon_full_params(recurse=False) around the wrapped module, or evaluating in a full
+    summon, with or without gradients), 2 ranks, float32: the logits and the next training
+    step's loss are torch's (within 1e-6); a summon_full_params nested in one of the same
+    instance raises AssertionError, as torch's.  (dptc raised "Embedding.weight was replaced
+    by a Parameter" in each.)"""
+    mine = run_ranks("tests.workers_fsdp1:summon_forward_case", 2, args={"impl": "dptc"},
+                     timeout=LAUNCH_TIMEOUT_S)
+    theirs = run_ranks("tests.workers_fsdp1:summon_forward_case", 2, args={"impl": "torch"},
+                       timeout=LAUNCH_TIMEOUT_S, reference=True)
+    for rank, (result, reference) in enumerate(zip(mine, theirs)):
+        for case in ("generation", "full", "with_grad"):
+            (logits, loss), (want_logits, want_loss) = result[case], reference[case]
+            assert isinstance(want_logits[0], float), (case, want_logits)
+            assert isinstance(logits[0], float), (rank, case, logits)
+            assert _rel([logits], [want_logits]) <= 1e-6, (rank, case)
+            assert abs(loss - want_loss) <= 1e-6 * abs(want_loss), (rank, case, loss, want_loss)
+        assert result["nested"][0] == reference["nested"][0] == "AssertionError", \
+            (result["nested"], reference["nested"])
+        assert "summon_full_params inside summon_full_params" in result["nested"][1]

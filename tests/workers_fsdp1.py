@@ -1087,3 +1087,47 @@ def buffer_state_dict_case(impl):
     if impl == "dptc":
         api.destroy_process_group()
     return out
+
+
+def summon_forward_case(impl):
+    """Forwards inside summon_full_params before any training forward, FULL_SHARD float32 GPT,
+    2 ranks, each on a fresh model: the generation pattern (recurse=False, the wrapped
+    module called directly, under no_grad), the wrapper's forward in a full summon, and one
+    with gradients enabled; each followed by a training step.  Returns per case the output's
+    values and the step's loss (or the error), and what summon_full_params inside
+    summon_full_params raises."""
+    api, FSDP = _api(impl)
+    import torch.distributed as dist
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(SEED))
+
+    def generation(model):
+        with torch.no_grad(), FSDP.summon_full_params(model, recurse=False, writeback=False):
+            return model.module(x)
+
+    def full(model):
+        with torch.no_grad(), FSDP.summon_full_params(model, writeback=False):
+            return model(x)
+
+    def with_grad(model):
+        with FSDP.summon_full_params(model, writeback=False):
+            return model(x).detach()
+    out = {}
+    for name, run in (("generation", generation), ("full", full), ("with_grad", with_grad)):
+        model = _wrap(impl, build(n_layer=2).float(), "FULL_SHARD")
+        try:
+            logits = run(model).double().flatten().tolist()
+        except Exception as error:  # noqa: BLE001 - reported to the test
+            logits = [type(error).__name__, str(error)]
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        out[name] = [logits, _loss_step(model, opt, rank, world,
+                                        torch.Generator().manual_seed(SEED))]
+
+    def nested():
+        with FSDP.summon_full_params(model, writeback=False):
+            with FSDP.summon_full_params(model, writeback=False):
+                pass
+    out["nested"] = _error(nested)
+    if impl == "dptc":
+        api.destroy_process_group()
+    return out

@@ -477,6 +477,12 @@ class FullyShardedDataParallel(nn.Module):
         instances = FullyShardedDataParallel.fsdp_modules(module) if recurse else [module]
         units = [fsdp.__dict__["_fsdp_state"].unit for fsdp in instances]
         units = [unit for unit in units if unit is not None]
+        if any(unit.is_summoned() for unit in units):
+            # torch's raises AssertionError too ("already unsharding parameters").
+            raise AssertionError("summon_full_params inside summon_full_params of the same "
+                                 "FullyShardedDataParallel instance is not supported (the "
+                                 "inner one would gather the shards again, without the outer "
+                                 "one's changes); use the outer context's full parameters")
         for unit in units:
             unit.reset_sharded()
             unit.summon(with_grads)

@@ -612,8 +612,8 @@ class Unit:
         for p in self.params:
             module, name = p.locations[0]
             current = module._parameters[name]
-            if current is p.unsharded:
-                continue
+            if current is p.unsharded or current is p.summoned:
+                continue        # ours: gathered, or FSDP1's summon_full_params
             if current is not p.sharded:
                 if not isinstance(current, DTensor):
                     raise TypeError(f"{type(module).__name__}.{name} was replaced by a "
@@ -799,6 +799,10 @@ class Unit:
             elif grad is not None:
                 p.summoned.grad = grad.full_tensor()
             p.register(p.summoned)
+
+    def is_summoned(self):
+        """Whether the modules hold this unit's summon() parameters."""
+        return any(p.summoned is not None for p in self.params)
 
     def unsummon(self, writeback):
         """Puts the sharded parameters back, first copying this rank's rows of the full ones
