@@ -563,3 +563,7 @@ def test_forward_inside_summon_full_params_as_torchs():
         assert result["nested"][0] == reference["nested"][0] == "AssertionError", \
             (result["nested"], reference["nested"])
         assert "summon_full_params inside summon_full_params" in result["nested"][1]
+        # rank0_only with writeback: torch's NotImplementedError, with the remedy.
+        assert result["rank0_writeback"][0] == reference["rank0_writeback"][0] == \
+            "NotImplementedError", (result["rank0_writeback"], reference["rank0_writeback"])
+        assert "pass writeback=False" in result["rank0_writeback"][1]

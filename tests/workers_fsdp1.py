@@ -1095,7 +1095,7 @@ def summon_forward_case(impl):
     module called directly, under no_grad), the wrapper's forward in a full summon, and one
     with gradients enabled; each followed by a training step.  Returns per case the output's
     values and the step's loss (or the error), and what summon_full_params inside
-    summon_full_params raises."""
+    summon_full_params raises, and summon_full_params(rank0_only=True, writeback=True)."""
     api, FSDP = _api(impl)
     import torch.distributed as dist
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -1128,6 +1128,8 @@ def summon_forward_case(impl):
             with FSDP.summon_full_params(model, writeback=False):
                 pass
     out["nested"] = _error(nested)
+    out["rank0_writeback"] = _error(lambda: FSDP.summon_full_params(
+        model, rank0_only=True, writeback=True).__enter__())
     if impl == "dptc":
         api.destroy_process_group()
     return out

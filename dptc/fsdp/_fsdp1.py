@@ -471,9 +471,10 @@ class FullyShardedDataParallel(nn.Module):
         refuses it).  with_grads: the full gradients too.  offload_to_cpu changes nothing:
         the parameters are on the CPU."""
         if rank0_only and writeback:
-            raise ValueError("summon_full_params(rank0_only=True, writeback=True) is not "
-                             "supported: the other ranks would have nothing to write back; "
-                             "pass writeback=False")
+            # NotImplementedError, as torch's raises it.
+            raise NotImplementedError("summon_full_params(rank0_only=True, writeback=True) is "
+                                      "not supported: the other ranks would have nothing to "
+                                      "write back; pass writeback=False")
         instances = FullyShardedDataParallel.fsdp_modules(module) if recurse else [module]
         units = [fsdp.__dict__["_fsdp_state"].unit for fsdp in instances]
         units = [unit for unit in units if unit is not None]
