@@ -567,3 +567,20 @@ def test_forward_inside_summon_full_params_as_torchs():
         assert result["rank0_writeback"][0] == reference["rank0_writeback"][0] == \
             "NotImplementedError", (result["rank0_writeback"], reference["rank0_writeback"])
         assert "pass writeback=False" in result["rank0_writeback"][1]
+
+
+def test_sync_module_states_from_a_meta_model():
+    """Rank 0 builds the model, rank 1 on the meta device, sync_module_states=True with a
+    param_init_fn materializing module by module (accelerate's low-memory loading): every
+    parameter is rank 0's, bit for bit.  Where the ranks' modules differ (the embedding and
+    head tied on rank 0, untied on rank 1 by to_empty, as under torch's FSDP1) a ValueError
+    names the parameter and the remedy on every rank, before any broadcast (torch's sync
+    needs a GPU, so no torch run; dptc raised CollectiveMismatchError between a broadcast and
+    the next unit's shared-memory setup)."""
+    for rank, result in enumerate(run_ranks("tests.workers_fsdp1:sync_meta_case", 2,
+                                            timeout=LAUNCH_TIMEOUT_S)):
+        assert result["untied_diff"] == 0.0 and result["untied_count"] == 16, (rank, result)
+        kind, message = result["tied"]
+        assert kind == "ValueError", (rank, result["tied"])
+        assert "only on rank 1: ['head.weight']" in message, message
+        assert "tie them again in param_init_fn" in message, message

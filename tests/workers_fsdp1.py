@@ -1133,3 +1133,39 @@ def summon_forward_case(impl):
     if impl == "dptc":
         api.destroy_process_group()
     return out
+
+
+def sync_meta_case():
+    """dptc, 2 ranks, the low-memory loading pattern: rank 0 builds the GPT, rank 1 on the
+    meta device, FullyShardedDataParallel(sync_module_states=True, param_init_fn=to_empty
+    module by module).  With the head untied from the embedding: the largest difference of
+    the wrapped parameters from rank 0's, and how many there are.  Tied (to_empty unties
+    rank 1's): the error."""
+    _api("dptc")
+    import dptc
+    from dptc import FullyShardedDataParallel as FSDP
+    rank = dptc.get_rank()
+
+    def load(tied):
+        if rank == 0:
+            model = build(n_layer=2).float()
+        else:
+            with torch.device("meta"):
+                model = build(n_layer=2).float()
+        if not tied:
+            model.head.weight = torch.nn.Parameter(model.head.weight.detach().clone())
+        return FSDP(model, sync_module_states=True, device_id="cpu", use_orig_params=True,
+                    param_init_fn=lambda m: m.to_empty(device="cpu", recurse=False),
+                    auto_wrap_policy=functools.partial(_policy("dptc"),
+                                                       transformer_layer_cls={Block}))
+    wrapped = load(tied=False)
+    ref = build(n_layer=2).float()
+    ref.head.weight = torch.nn.Parameter(ref.head.weight.detach().clone())
+    ref = dict(ref.named_parameters())
+    with FSDP.summon_full_params(wrapped, writeback=False):
+        params = {name: p.detach().clone() for name, p in wrapped.named_parameters()}
+    out = {"untied_diff": max(float((params[name] - ref[name].detach()).abs().max())
+                              for name in params), "untied_count": len(params),
+           "tied": _error(lambda: load(tied=True))}
+    dptc.destroy_process_group()
+    return out

@@ -192,6 +192,32 @@ class _PolicyWithExempt(_Policy):
         return targets
 
 
+def _check_alike(module, ignored_params):
+    """sync_module_states: raises ValueError, before any broadcast, where a rank's parameters
+    and buffers (names, shapes, dtypes) are not rank 0's, so that the broadcasts cannot pair
+    tensors of different parameters."""
+    layout = [(name, tuple(t.shape), str(t.dtype)) for name, t in
+              list(module.named_parameters()) + list(module.named_buffers())
+              if not isinstance(t, nn.Parameter) or t not in ignored_params]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, layout)
+    for rank, theirs in enumerate(everyone):
+        if theirs == everyone[0]:
+            continue
+        mine, first = dict((n, rest) for n, *rest in theirs), \
+            dict((n, rest) for n, *rest in everyone[0])
+        only = sorted(set(mine) - set(first))
+        missing = sorted(set(first) - set(mine))
+        differ = sorted(n for n in set(mine) & set(first) if mine[n] != first[n])
+        raise ValueError(
+            f"sync_module_states=True broadcasts rank 0's parameters and buffers, but rank "
+            f"{rank}'s module has others: only on rank {rank}: {only[:5]}, only on rank 0: "
+            f"{missing[:5]}, other shape or dtype: {differ[:5]}; build the module alike on "
+            f"every rank (parameters tied on rank 0 and made on the meta device elsewhere come "
+            f"apart when param_init_fn or to_empty(recurse=False) materializes them module by "
+            f"module, as under torch's FSDP1: tie them again in param_init_fn)")
+
+
 def _own_modules(module, path=""):
     """(path + ".", submodule) for module and its submodules, not entering nested
     FullyShardedDataParallel instances."""
@@ -336,6 +362,7 @@ class FullyShardedDataParallel(nn.Module):
         ignored parameters (ignored_modules' and ignored_states'), which stay each rank's
         own, as torch's broadcasts only the parameters it manages."""
         from .. import collectives
+        _check_alike(module, ignored_params)
         managed = [p for p in module.parameters() if p not in ignored_params]
         with torch.no_grad():
             for tensor in managed + list(module.buffers()):
