@@ -462,18 +462,22 @@ def test_sync_module_states_leaves_ignored_parameters():
         assert result["ignored_kept"] == [True, True], (rank, result)
 
 
-def test_post_accumulate_grad_hooks_refused_as_torch_never_runs_them_on_params():
+@pytest.mark.parametrize("register", ["register_post_accumulate_grad_hook", "register_hook"])
+def test_post_accumulate_grad_hooks_refused_as_torch_never_runs_them_on_params(register):
     """register_post_accumulate_grad_hook on the wrapper's parameters, FULL_SHARD, 2 ranks.
     torch's FSDP1 never runs such hooks under use_orig_params=True, and under
     use_orig_params=False runs them on each flat parameter with this rank's unsharded,
     unreduced gradient (the ranks' gradients differ).  dptc, which has no flat parameter,
     refuses both in the root's forward with a RuntimeError naming the remedy, before any
     gather; with the hooks removed the same steps train to torch's parameters (float32,
-    within 1e-6).  (dptc ran them after the reduced gradient, as fully_shard does.)"""
+    within 1e-6).  The same for gradient hooks (register_hook), which torch's FSDP1 runs on
+    the same gradients.  (dptc ran post-accumulate-grad hooks after the reduced gradient, as
+    fully_shard does, and never ran gradient hooks.)"""
+    args = {"register": register}
     mine = run_ranks("tests.workers_fsdp1:post_accumulate_hooks_case", 2,
-                     args={"impl": "dptc"}, timeout=LAUNCH_TIMEOUT_S)
+                     args={"impl": "dptc", **args}, timeout=LAUNCH_TIMEOUT_S)
     theirs = run_ranks("tests.workers_fsdp1:post_accumulate_hooks_case", 2,
-                       args={"impl": "torch"}, timeout=LAUNCH_TIMEOUT_S, reference=True)
+                       args={"impl": "torch", **args}, timeout=LAUNCH_TIMEOUT_S, reference=True)
     for rank, (result, reference) in enumerate(zip(mine, theirs)):
         orig, flat = reference["use_orig_params=True"], reference["use_orig_params=False"]
         assert orig["error"] is None and orig["calls"] == [], (rank, orig)
@@ -485,10 +489,10 @@ def test_post_accumulate_grad_hooks_refused_as_torch_never_runs_them_on_params()
             assert case["calls"] == [], (rank, setting, case["calls"])
             kind, message = case["error"]
             assert kind == "RuntimeError", (rank, setting, case["error"])
-            for part in ("register_post_accumulate_grad_hook", "use_orig_params=True",
-                         "unreduced gradient", "remove()", "dptc.fully_shard",
-                         "blocks.0.attn.qkv.weight"):
+            for part in (f"{register} on parameters", "use_orig_params=True",
+                         "unreduced gradient", "remove()", "blocks.0.attn.qkv.weight"):
                 assert part in message, (part, message)
+            assert ("dptc.fully_shard" in message) == (register != "register_hook"), message
             assert _rel(case["params"], reference[setting]["params"]) <= 1e-6, (rank, setting)
     # The flat parameters' gradients are this rank's own: they differ between the ranks.
     sums = [sorted(total for _, total in r["use_orig_params=False"]["calls"]) for r in theirs]

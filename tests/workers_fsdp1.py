@@ -949,10 +949,11 @@ def sync_ignored_case():
     return out
 
 
-def post_accumulate_hooks_case(impl):
+def post_accumulate_hooks_case(impl, register="register_post_accumulate_grad_hook"):
     """register_post_accumulate_grad_hook on every parameter of a FULL_SHARD float32 GPT, with
-    use_orig_params True and False, hooks that only record what they see.  Per setting: the
-    hooks' calls in one training step ([numel of the tensor the hook got, its gradient's sum])
+    use_orig_params True and False, hooks that only record what they see (`register`: or
+    register_hook, whose hooks get the gradient).  Per setting: the hooks' calls in one
+    training step ([numel of the tensor the hook got, its gradient's sum])
     or the error the step raised (it is then taken again with the hooks removed), then the
     parameters after a second step without hooks (float64 lists)."""
     api, FSDP = _api(impl)
@@ -969,7 +970,11 @@ def post_accumulate_hooks_case(impl):
 
         def record(param):
             calls.append([param.numel(), float(param.grad.double().sum())])
-        handles = [p.register_post_accumulate_grad_hook(record) for p in model.parameters()]
+
+        def record_grad(grad):
+            calls.append([grad.numel(), float(grad.double().sum())])
+        handles = [getattr(p, register)(record if register != "register_hook" else record_grad)
+                   for p in model.parameters()]
         generator = torch.Generator().manual_seed(SEED)
         state = generator.get_state()
         error = _error(lambda: _loss_step(model, opt, rank, world, generator))

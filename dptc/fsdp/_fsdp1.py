@@ -383,7 +383,7 @@ class FullyShardedDataParallel(nn.Module):
 
     # [Note: FSDP1 and post-accumulate-grad hooks]
     # torch's FullyShardedDataParallel runs no hook registered with
-    # register_post_accumulate_grad_hook on the parameters a script sees with
+    # register_post_accumulate_grad_hook (or register_hook) on the parameters a script sees with
     # use_orig_params=True (autograd accumulates into its flat parameter, never into them),
     # and with use_orig_params=False, where the flat parameters are the parameters, runs them
     # on a flat parameter holding this rank's unsharded, unreduced gradient, in every backward
@@ -400,19 +400,23 @@ class FullyShardedDataParallel(nn.Module):
                 p.sharded for fsdp in self.fsdp_modules(self)
                 for p in (fsdp.__dict__["_fsdp_state"].unit.params
                           if fsdp.__dict__["_fsdp_state"].unit is not None else ())]
-        hooked = [param for param in managed if param._post_accumulate_grad_hooks]
+        hooked = [param for param in managed
+                  if param._post_accumulate_grad_hooks or param._backward_hooks]
         if not hooked:
             return
         with _original_names():
             names = [name for name, param in self.named_parameters()
                      if any(param is h for h in hooked)]
+        post = any(param._post_accumulate_grad_hooks for param in hooked)
+        kind = "register_post_accumulate_grad_hook" if post else "register_hook"
+        remedy = ("; or shard with dptc.fully_shard, which runs post-accumulate-grad hooks "
+                  "after the reduced gradient as torch's fully_shard does") if post else ""
         raise RuntimeError(
-            f"register_post_accumulate_grad_hook on parameters of FullyShardedDataParallel "
-            f"({', '.join(names)}): torch's FullyShardedDataParallel never runs such hooks "
-            f"with use_orig_params=True, and with use_orig_params=False runs them on its flat "
-            f"parameter with this rank's unsharded, unreduced gradient, which dptc does not "
-            f"have; remove the hooks (the handle's remove()), or shard with dptc.fully_shard, "
-            f"which runs them after the reduced gradient as torch's fully_shard does")
+            f"{kind} on parameters of FullyShardedDataParallel ({', '.join(names)}): torch's "
+            f"FullyShardedDataParallel never runs such hooks with use_orig_params=True, and "
+            f"with use_orig_params=False runs them on its flat parameter with this rank's "
+            f"unsharded, unreduced gradient, which dptc does not have; remove the hooks (the "
+            f"handle's remove()){remedy}")
 
     def __getattr__(self, name):
         # Attributes the wrapper lacks are the wrapped module's, as with torch's.
