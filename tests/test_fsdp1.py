@@ -588,3 +588,23 @@ def test_sync_module_states_from_a_meta_model():
         assert kind == "ValueError", (rank, result["tied"])
         assert "only on rank 1: ['head.weight']" in message, message
         assert "tie them again in param_init_fn" in message, message
+
+
+def test_instance_wrapped_by_hand_casts_inputs_as_a_nested_one():
+    """An instance made by hand with MixedPrecision(param_dtype=bfloat16), then wrapped in a
+    root without mixed precision, 2 ranks: as torch's, it is nested at the first forward, so
+    it casts its inputs only by cast_forward_inputs (False): its float32 input times bfloat16
+    weights gives float32 outputs, and two SGD steps train to torch's parameters (within
+    1e-6).  (dptc cast the input by cast_root_forward_inputs, as for a root: bfloat16 reached
+    the next Linear, which failed: "mat1 and mat2 must have the same dtype".)"""
+    mine = run_ranks("tests.workers_fsdp1:nested_cast_case", 2, args={"impl": "dptc"},
+                     timeout=LAUNCH_TIMEOUT_S)
+    theirs = run_ranks("tests.workers_fsdp1:nested_cast_case", 2, args={"impl": "torch"},
+                       timeout=LAUNCH_TIMEOUT_S, reference=True)
+    for rank, (result, reference) in enumerate(zip(mine, theirs)):
+        assert "error" not in reference, reference["error"]
+        assert "error" not in result, (rank, result["error"])
+        for step, (got, want) in enumerate(zip(result["steps"], reference["steps"])):
+            assert got[0] == want[0] == "torch.float32", (rank, step, got[0], want[0])
+            assert _rel([got[1]], [want[1]]) <= 1e-6, (rank, step)
+        assert _rel(result["params"], reference["params"]) <= 1e-6, rank

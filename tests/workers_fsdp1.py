@@ -1174,3 +1174,47 @@ def sync_meta_case():
            "tied": _error(lambda: load(tied=True))}
     dptc.destroy_process_group()
     return out
+
+
+class _Scale(torch.nn.Module):
+    """x * w: an op that takes a float32 input with bfloat16 weights (the result float32)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.linspace(0.5, 1.5, 8))
+
+    def forward(self, x):
+        return x * self.w
+
+
+def nested_cast_case(impl):
+    """Wrapping by hand, 2 ranks: Sequential(Linear, _Scale, Linear) whose _Scale is an
+    instance of its own under MixedPrecision(param_dtype=bfloat16) (cast_forward_inputs False,
+    cast_root_forward_inputs True: the defaults), inside a root instance without mixed
+    precision.  Two SGD steps; returns per step the output's dtype and values and then the
+    parameters (float64 lists), or the error."""
+    api, FSDP = _api(impl)
+    import torch.distributed as dist
+    rank = dist.get_rank()
+    torch.manual_seed(SEED)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), _Scale(), torch.nn.Linear(8, 8))
+    model[1] = FSDP(model[1], device_id="cpu", use_orig_params=True,
+                    mixed_precision=api.MixedPrecision(param_dtype=torch.bfloat16))
+    model = FSDP(model, device_id="cpu", use_orig_params=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(SEED + rank)
+    out = {"steps": []}
+    try:
+        for _ in range(2):
+            y = model(torch.randn(4, 8, generator=generator))
+            out["steps"].append([str(y.dtype), y.detach().double().flatten().tolist()])
+            y.float().pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        with FSDP.summon_full_params(model, writeback=False):
+            out["params"] = [p.detach().double().flatten().tolist() for p in model.parameters()]
+    except Exception as error:  # noqa: BLE001 - reported to the test
+        out["error"] = [type(error).__name__, str(error)]
+    if impl == "dptc":
+        api.destroy_process_group()
+    return out

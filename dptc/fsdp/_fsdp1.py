@@ -15,6 +15,7 @@ every parameter is a DTensor shard, as under fully_shard.
 
 import collections
 import contextlib
+import dataclasses
 import functools
 import warnings
 
@@ -378,8 +379,21 @@ class FullyShardedDataParallel(nn.Module):
 
     def forward(self, *args, **kwargs):
         if self.check_is_root():
+            if "_managed_params" not in self.__dict__:
+                self._settle_nested_input_casts()
             self._refuse_post_accumulate_grad_hooks()
         return self._fsdp_wrapped_module(*args, **kwargs)
+
+    def _settle_nested_input_casts(self):
+        """At the root's first forward, instances made as roots (wrapped by hand, then wrapped
+        again) turn out nested: as torch's, they cast their forward inputs by their
+        MixedPrecision's cast_forward_inputs, not cast_root_forward_inputs."""
+        for fsdp in self.fsdp_modules(self):
+            if fsdp is self or not fsdp._is_root_arg or fsdp.mixed_precision is None:
+                continue
+            state = fsdp.__dict__["_fsdp_state"]
+            state.mp_policy = dataclasses.replace(
+                state.mp_policy, cast_forward_inputs=bool(fsdp.mixed_precision.cast_forward_inputs))
 
     # [Note: FSDP1 and post-accumulate-grad hooks]
     # torch's FullyShardedDataParallel runs no hook registered with
