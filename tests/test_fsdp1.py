@@ -608,3 +608,23 @@ def test_instance_wrapped_by_hand_casts_inputs_as_a_nested_one():
             assert got[0] == want[0] == "torch.float32", (rank, step, got[0], want[0])
             assert _rel([got[1]], [want[1]]) <= 1e-6, (rank, step)
         assert _rel(result["params"], reference["params"]) <= 1e-6, rank
+
+
+def test_load_state_dict_reports_keys_as_torchs():
+    """load_state_dict's missing and unexpected keys, and strict's error message, name the
+    keys as the state dict does (blocks.0.attn.qkv.weight), exactly as torch's FSDP1 reports
+    them, FULL and SHARDED, use_orig_params True and False.  (dptc's carried the
+    _fsdp_wrapped_module. prefixes, so scripts checking them against the state dict's keys
+    saw every key as missing.)"""
+    mine = run_ranks("tests.workers_fsdp1:incompatible_keys_case", 2, args={"impl": "dptc"},
+                     timeout=LAUNCH_TIMEOUT_S)
+    theirs = run_ranks("tests.workers_fsdp1:incompatible_keys_case", 2,
+                       args={"impl": "torch"}, timeout=LAUNCH_TIMEOUT_S, reference=True)
+    for rank, (result, reference) in enumerate(zip(mine, theirs)):
+        assert result == reference, (rank, result, reference)
+        assert result["use_orig_params=True/FULL_STATE_DICT/missing"] == \
+            [["blocks.0.attn.qkv.weight", "ln_f.weight"], []]
+        assert result["use_orig_params=False/SHARDED_STATE_DICT/extra"] == \
+            [[], ["blocks.0.extra"]]
+        assert 'Missing key(s) in state_dict: "ln_f.weight"' in \
+            result["use_orig_params=True/FULL_STATE_DICT/strict"][1]

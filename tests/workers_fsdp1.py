@@ -1218,3 +1218,34 @@ def nested_cast_case(impl):
     if impl == "dptc":
         api.destroy_process_group()
     return out
+
+
+def incompatible_keys_case(impl):
+    """load_state_dict of a model's own FULL and SHARDED state dicts, with use_orig_params
+    True and False, 2 ranks: missing two keys (strict=False), with one unexpected key
+    (strict=False), and missing one (strict=True).  Returns what each reported: the missing
+    and unexpected keys, or the error's type and message."""
+    api, FSDP = _api(impl)
+    out = {}
+    for use_orig_params in (True, False):
+        for kind in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
+            model = FSDP(build(n_layer=2).float(), device_id="cpu",
+                         use_orig_params=use_orig_params,
+                         auto_wrap_policy=functools.partial(_policy(impl),
+                                                            transformer_layer_cls={Block}))
+            FSDP.set_state_dict_type(model, getattr(api.StateDictType, kind))
+            state = model.state_dict()
+            missing = {k: v for k, v in state.items()
+                       if k not in ("blocks.0.attn.qkv.weight", "ln_f.weight")}
+            extra = {**state, "blocks.0.extra": torch.zeros(2)}
+
+            def keys(result):
+                return [sorted(result.missing_keys), sorted(result.unexpected_keys)]
+            label = f"use_orig_params={use_orig_params}/{kind}"
+            out[f"{label}/missing"] = keys(model.load_state_dict(missing, strict=False))
+            out[f"{label}/extra"] = keys(model.load_state_dict(extra, strict=False))
+            out[f"{label}/strict"] = _error(lambda: model.load_state_dict(
+                {k: v for k, v in state.items() if k != "ln_f.weight"}))
+    if impl == "dptc":
+        api.destroy_process_group()
+    return out

@@ -323,6 +323,7 @@ class FullyShardedDataParallel(nn.Module):
         self._register_state_dict_hook(FullyShardedDataParallel._post_state_dict)
         self._register_load_state_dict_pre_hook(FullyShardedDataParallel._pre_load_state_dict,
                                                 with_module=True)
+        self.register_load_state_dict_post_hook(FullyShardedDataParallel._clean_incompatible)
 
     # -- construction helpers -----------------------------------------------------------------
 
@@ -621,6 +622,13 @@ class FullyShardedDataParallel(nn.Module):
                 value = value.to(dtype)
             state_dict[_clean(key)] = value
         return state_dict
+
+    @staticmethod
+    def _clean_incompatible(module, incompatible_keys):
+        """load_state_dict's missing and unexpected keys (and strict's error) name the keys
+        as the state dict does, without the _fsdp_wrapped_module. prefixes, as torch's."""
+        for keys in (incompatible_keys.missing_keys, incompatible_keys.unexpected_keys):
+            keys[:] = [_clean(key) for key in keys]
 
     @staticmethod
     def _pre_load_state_dict(module, state_dict, prefix, *args):
