@@ -628,3 +628,17 @@ def test_load_state_dict_reports_keys_as_torchs():
             [[], ["blocks.0.extra"]]
         assert 'Missing key(s) in state_dict: "ln_f.weight"' in \
             result["use_orig_params=True/FULL_STATE_DICT/strict"][1]
+
+
+def test_state_dict_keys_in_the_modules_order_as_torchs():
+    """Instances nested in instances (BatchNorms in blocks, as MixedPrecision with an
+    auto_wrap_policy makes them), 2 ranks: FULL and SHARDED state dicts list their keys in
+    the wrapped module's order, as torch's FSDP1 and the unwrapped module do.  (dptc put a
+    block's nested instance's keys before the block's own: 0.norm.weight before 0.scale.)"""
+    mine = run_ranks("tests.workers_fsdp1:state_dict_order_case", 2, args={"impl": "dptc"},
+                     timeout=LAUNCH_TIMEOUT_S)
+    theirs = run_ranks("tests.workers_fsdp1:state_dict_order_case", 2,
+                       args={"impl": "torch"}, timeout=LAUNCH_TIMEOUT_S, reference=True)
+    for rank, (result, reference) in enumerate(zip(mine, theirs)):
+        for kind in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
+            assert result[kind] == reference[kind] == result["plain"], (rank, kind, result)

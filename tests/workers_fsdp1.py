@@ -1249,3 +1249,22 @@ def incompatible_keys_case(impl):
     if impl == "dptc":
         api.destroy_process_group()
     return out
+
+
+def state_dict_order_case(impl):
+    """The keys of FULL and SHARDED state dicts, in order, 2 ranks, of a network of
+    _NormBlocks whose BatchNorms are instances nested in the blocks' (MixedPrecision with an
+    auto_wrap_policy), and of the unwrapped network."""
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    api, FSDP = _api(impl)
+    model = FSDP(_norm_net(), auto_wrap_policy=ModuleWrapPolicy({_NormBlock}),
+                 mixed_precision=api.MixedPrecision(torch.bfloat16,
+                                                    buffer_dtype=torch.bfloat16),
+                 device_id="cpu", use_orig_params=True)
+    out = {"plain": list(_norm_net().state_dict())}
+    for kind in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
+        with FSDP.state_dict_type(model, getattr(api.StateDictType, kind)):
+            out[kind] = list(model.state_dict())
+    if impl == "dptc":
+        api.destroy_process_group()
+    return out

@@ -607,8 +607,15 @@ class FullyShardedDataParallel(nn.Module):
         kind, config = self._settings[:2]
         full = kind == StateDictType.FULL_STATE_DICT
         rank0_only = full and getattr(config, "rank0_only", False)
-        for key in [k for k in state_dict if k.startswith(prefix)]:
+        # This instance's keys are the last ones in the dict, in the wrapped module's order,
+        # with those of nested instances already as torch's names them: every one is taken
+        # out and put back in that order, so the dict keeps the module's order, as torch's.
+        own, cleaned = prefix + PREFIX, _clean(prefix)
+        for key in [k for k in state_dict if k.startswith(prefix) or k.startswith(cleaned)]:
             value = state_dict.pop(key)
+            if not key.startswith(own):
+                state_dict[key] = value
+                continue
             if full and isinstance(value, DTensor):
                 value = value.full_tensor()
             elif isinstance(value, DTensor):
