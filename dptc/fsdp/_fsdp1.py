@@ -314,6 +314,7 @@ class FullyShardedDataParallel(nn.Module):
         # wrapper between this instance and the module it shards.
         state = self.__dict__["_fsdp_state"] = module.__dict__["_dptc_fsdp_state"]
         _set_prefetch(state, backward_prefetch, forward_prefetch)
+        state.root_forward_check = self._root_forward_check
         if state.unit is not None:
             # no_sync accumulates in param_dtype, as torch's FSDP1 does.
             state.unit.accumulate_in_reduce_dtype = False
@@ -379,11 +380,13 @@ class FullyShardedDataParallel(nn.Module):
         return self._fsdp_wrapped_module
 
     def forward(self, *args, **kwargs):
-        if self.check_is_root():
-            if "_managed_params" not in self.__dict__:
-                self._settle_nested_input_casts()
-            self._refuse_post_accumulate_grad_hooks()
         return self._fsdp_wrapped_module(*args, **kwargs)
+
+    def _root_forward_check(self):
+        """Run by the unit's pre-forward (outside dynamo) when this instance is the root."""
+        if "_managed_params" not in self.__dict__:
+            self._settle_nested_input_casts()
+        self._refuse_post_accumulate_grad_hooks()
 
     def _settle_nested_input_casts(self):
         """At the root's first forward, instances made as roots (wrapped by hand, then wrapped
@@ -404,9 +407,9 @@ class FullyShardedDataParallel(nn.Module):
     # on a flat parameter holding this rank's unsharded, unreduced gradient, in every backward
     # (no_sync's too).  dptc has no flat parameter, and fully_shard's own behaviour (the hooks
     # run after the reduced gradient, as torch's fully_shard runs them) would train to other
-    # numbers than torch's FSDP1.  So the root's forward refuses such hooks on the parameters
-    # the instances manage (ignored parameters are autograd's leaves: their hooks run as
-    # under torch), before any gather of that forward.
+    # numbers than torch's FSDP1.  So the root's pre-forward refuses such hooks on the
+    # parameters the instances manage (ignored parameters are autograd's leaves: their hooks
+    # run as under torch), before any gather of that forward.
 
     def _refuse_post_accumulate_grad_hooks(self):
         managed = self.__dict__.get("_managed_params")

@@ -82,6 +82,8 @@ class State:
         self.callback_queued = False
         self.in_backward = False               # a forward now is a recomputation
         self.is_last_backward = True
+        # FullyShardedDataParallel's checks before a root forward (see _fsdp1.py), or None.
+        self.root_forward_check = None
         self.handles = []
         if unit is not None:
             unit.grad_hooks(self._post_backward)
@@ -153,6 +155,8 @@ class State:
 
     @eager  # see [Note: torch.compile] in dptc/_compile.py
     def _pre_forward(self, module, args, kwargs):
+        if self.root_forward_check is not None and self.root in (None, self):
+            self.root_forward_check()
         self.lazy_init()
         root = self.root
         if root is self:
