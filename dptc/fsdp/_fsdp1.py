@@ -446,6 +446,15 @@ class FullyShardedDataParallel(nn.Module):
     def __getitem__(self, key):
         return self._fsdp_wrapped_module.__getitem__(key)
 
+    def apply(self, fn):
+        """nn.Module.apply with the full parameters, as torch's: fn(module) for every module
+        below and then this one, while this instance's unit holds its full parameters
+        (each nested instance's apply gathers its own), changes written back into the
+        shards.  So an initialisation such as ``model.apply(init_weights)`` after wrapping
+        draws the full tensors from the generator, as in a single process."""
+        with FullyShardedDataParallel.summon_full_params(self, recurse=False, writeback=True):
+            return super().apply(fn)
+
     # As torch's: names carry the _fsdp_wrapped_module. prefixes, except inside
     # summon_full_params, where they are the original module's.
     _summoning = 0

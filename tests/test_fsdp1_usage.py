@@ -1,0 +1,36 @@
+"""FullyShardedDataParallel (FSDP1's API) as training scripts use it: torch's "Getting
+Started with FSDP" and "Advanced FSDP" tutorials, accelerate's and Lightning's FSDP plugins.
+
+Layer: several ranks; rank-side code in tests/workers_fsdp1_usage.py.  Each test runs one body
+under torch's own FullyShardedDataParallel (gloo, device_id="cpu"; judged by the results its
+ranks report, see run_ranks' reference=True) and under dptc's, and compares the numbers.
+"""
+
+from tests._compare import max_rel
+from tests._launch import run_ranks
+
+LAUNCH_TIMEOUT_S = 240
+
+
+def _both(case, world_size=2, **args):
+    """case's results per rank, under torch's FSDP1 and under dptc's."""
+    theirs = run_ranks(f"tests.workers_fsdp1_usage:{case}", world_size,
+                       args={"impl": "torch", **args}, timeout=LAUNCH_TIMEOUT_S, reference=True)
+    mine = run_ranks(f"tests.workers_fsdp1_usage:{case}", world_size,
+                     args={"impl": "dptc", **args}, timeout=LAUNCH_TIMEOUT_S)
+    return mine, theirs
+
+
+def test_apply_initialises_the_full_parameters_as_torchs():
+    """model.apply(init_weights) after wrapping, as scripts initialise a model they wrapped:
+    fn sees every full weight (its full shape) and the normal_ draws are the full tensors'
+    from the generator, so the parameters equal torch's FSDP1's and a single process's bit
+    for bit on every rank, and apply returns the instance.  (dptc's apply was nn.Module's:
+    fn drew into the local shards, every parameter it drew 0.02-scale values off torch's.)"""
+    mine, theirs = _both("apply_case")
+    for rank, (result, reference) in enumerate(zip(mine, theirs)):
+        assert result["returns_self"] and reference["returns_self"]
+        assert result["shapes"] == reference["shapes"], (rank, result["shapes"])
+        assert list(result["params"]) == list(reference["params"]) == list(result["single"])
+        assert max_rel(result["params"], reference["params"]) == 0.0, rank
+        assert max_rel(result["params"], result["single"]) == 0.0, rank
