@@ -6,6 +6,8 @@ under torch's own FullyShardedDataParallel (gloo, device_id="cpu"; judged by the
 ranks report, see run_ranks' reference=True) and under dptc's, and compares the numbers.
 """
 
+import math
+
 from tests._compare import max_rel
 from tests._launch import run_ranks
 
@@ -34,3 +36,21 @@ def test_apply_initialises_the_full_parameters_as_torchs():
         assert list(result["params"]) == list(reference["params"]) == list(result["single"])
         assert max_rel(result["params"], reference["params"]) == 0.0, rank
         assert max_rel(result["params"], result["single"]) == 0.0, rank
+
+
+def test_getting_started_tutorial_trains_as_torchs():
+    """torch's "Getting Started with FSDP" script (its MNIST network on random images,
+    size_based_auto_wrap_policy(min_num_params=100), use_orig_params=False, Adadelta and
+    StepLR, dropout, the all-reduced loss log, the test pass under no_grad): the logged
+    losses, the test outputs and the trained parameters are torch's bit for bit.  What
+    differs by design (README): torch's parameters are one flat parameter per instance
+    (`_flat_param`, 1-D), dptc's the module's own, in their full shapes."""
+    for rank, (result, reference) in enumerate(zip(*_both("tutorial_case"))):
+        for key in ("losses", "test", "params"):
+            assert max_rel(result[key], reference[key]) == 0.0, (rank, key)
+        assert all(name.endswith("._flat_param") for name in reference["names"])
+        assert all(len(shape) == 1 for shape in reference["shapes"])
+        assert [name.replace("_fsdp_wrapped_module.", "") for name in result["names"]] == \
+            list(result["params"])
+        assert [len(values) for values in result["params"].values()] == \
+            [math.prod(shape) for shape in result["shapes"]]

@@ -12,7 +12,7 @@ from examples.gpt import Block
 from tests.workers_fsdp1 import _api, _policy
 from tests.workers_fsdp_wrap import build
 
-__all__ = ["apply_case"]
+__all__ = ["apply_case", "tutorial_case"]
 
 
 def _done(impl):
@@ -58,5 +58,76 @@ def apply_case(impl):
     single.apply(_init_weights)
     out["single"] = {name: p.detach().double().flatten().tolist()
                      for name, p in single.named_parameters()}
+    _done(impl)
+    return out
+
+
+class _TutorialNet(nn.Module):
+    """The MNIST network of torch's "Getting Started with FSDP" tutorial, its first linear
+    layer sized for 12x12 inputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 8, 3, 1)
+        self.conv2 = nn.Conv2d(8, 16, 3, 1)
+        self.dropout1 = nn.Dropout(0.25)
+        self.dropout2 = nn.Dropout(0.5)
+        self.fc1 = nn.Linear(16 * 4 * 4, 32)
+        self.fc2 = nn.Linear(32, 10)
+
+    def forward(self, x):
+        x = torch.relu(self.conv1(x))
+        x = torch.max_pool2d(torch.relu(self.conv2(x)), 2)
+        x = torch.flatten(self.dropout1(x), 1)
+        x = self.dropout2(torch.relu(self.fc1(x)))
+        return torch.log_softmax(self.fc2(x), dim=1)
+
+
+def tutorial_case(impl):
+    """The tutorial's training loop: size_based_auto_wrap_policy(min_num_params=100),
+    use_orig_params left False, Adadelta(lr=1.0) with StepLR(gamma=0.7), nll_loss summed and
+    all-reduced for the log, dropout on; 2 epochs of 3 batches of 4 images a rank, then the
+    tutorial's test pass under torch.no_grad().  Returns the logged losses, the test loss,
+    the parameters' names and the trained full parameters."""
+    import torch.distributed as dist
+    from torch.optim.lr_scheduler import StepLR
+    api, FSDP = _api(impl)
+    if impl == "dptc":
+        from dptc import size_based_auto_wrap_policy
+    else:
+        from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = FSDP(_TutorialNet(), device_id="cpu", auto_wrap_policy=functools.partial(
+        size_based_auto_wrap_policy, min_num_params=100))
+    optimizer = torch.optim.Adadelta(model.parameters(), lr=1.0)
+    scheduler = StepLR(optimizer, step_size=1, gamma=0.7)
+    data = torch.Generator().manual_seed(1)
+    torch.manual_seed(10 + rank)                     # each rank's dropout masks
+    out = {"losses": {}, "names": [name for name, _ in model.named_parameters()],
+           "shapes": [list(p.shape) for p in model.parameters()]}
+    for epoch in range(2):
+        model.train()
+        ddp_loss = torch.zeros(2)
+        for batch in range(3):
+            x = torch.randn(4 * world, 1, 12, 12, generator=data)[rank * 4:(rank + 1) * 4]
+            y = torch.randint(0, 10, (4 * world,), generator=data)[rank * 4:(rank + 1) * 4]
+            optimizer.zero_grad()
+            loss = nn.functional.nll_loss(model(x), y, reduction="sum")
+            loss.backward()
+            optimizer.step()
+            ddp_loss[0] += loss.item()
+            ddp_loss[1] += len(x)
+        dist.all_reduce(ddp_loss, op=dist.ReduceOp.SUM)
+        out["losses"][epoch] = [float(ddp_loss[0] / ddp_loss[1])]
+        scheduler.step()
+    model.eval()
+    with torch.no_grad():
+        x = torch.randn(4, 1, 12, 12, generator=data)
+        out["test"] = {"outputs": model(x).flatten().tolist()}
+    with FSDP.summon_full_params(model, writeback=False):
+        out["params"] = {name.replace("_fsdp_wrapped_module.", ""):
+                         p.detach().double().flatten().tolist()
+                         for name, p in model.named_parameters()}
     _done(impl)
     return out
