@@ -54,3 +54,29 @@ def test_getting_started_tutorial_trains_as_torchs():
             list(result["params"])
         assert [len(values) for values in result["params"].values()] == \
             [math.prod(shape) for shape in result["shapes"]]
+
+
+def test_an_optimizer_built_before_wrapping_is_a_clear_error():
+    """An optimizer made from model.parameters() before wrapping holds the parameters
+    FullyShardedDataParallel replaced: its step() raises RuntimeError naming them (by their
+    names in the model) and the remedy, and changes nothing; one made after wrapping steps
+    to the single-process step (float64), one holding only ignored parameters steps too, and
+    adding a replaced parameter to a good one (add_param_group) raises at its next step.
+    (dptc's step changed nothing, silently: 0 parameters moved.  torch 2.13's FSDP1 dies
+    with SIGSEGV, so this runs on dptc alone.)"""
+    for rank, result in enumerate(run_ranks(
+            "tests.workers_fsdp1_usage:optimizer_before_wrapping_case", 2,
+            timeout=LAUNCH_TIMEOUT_S)):
+        kind, message = result["before"]
+        assert kind == "RuntimeError", result["before"]
+        assert message.startswith("SGD.step(): the optimizer holds 14 parameters that "
+                                  "FullyShardedDataParallel replaced"), message
+        assert "(tok_emb.weight, blocks.0.ln_attn.weight, " in message, message
+        assert "pos_emb" not in message, message
+        assert "Construct the optimizer after wrapping" in message, message
+        assert result["moved"] == 0, (rank, result["moved"])
+        assert result["ignored"] is None and result["after"] is None, (rank, result)
+        got, want = result["after_vs_reference"]
+        assert max_rel(got, want) <= 1e-12, rank
+        assert result["added"][0] == "RuntimeError" and \
+            "holds 1 parameters" in result["added"][1], result["added"]

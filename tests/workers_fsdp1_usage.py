@@ -12,7 +12,7 @@ from examples.gpt import Block
 from tests.workers_fsdp1 import _api, _policy
 from tests.workers_fsdp_wrap import build
 
-__all__ = ["apply_case", "tutorial_case"]
+__all__ = ["apply_case", "tutorial_case", "optimizer_before_wrapping_case"]
 
 
 def _done(impl):
@@ -130,4 +130,54 @@ def tutorial_case(impl):
                          p.detach().double().flatten().tolist()
                          for name, p in model.named_parameters()}
     _done(impl)
+    return out
+
+
+def optimizer_before_wrapping_case():
+    """dptc only (torch 2.13's FSDP1 dies with SIGSEGV here): a float64 GPT, its position
+    embedding ignored (ignored_modules), SGD made from model.parameters() before wrapping,
+    one backward.  Returns what that optimizer's step() raised and whether any parameter
+    moved; whether an optimizer of the ignored parameters alone, made before wrapping, steps;
+    the step of an optimizer made after wrapping against the single-process step; and what
+    its step raises once a replaced parameter is added to it (add_param_group)."""
+    import dptc
+    from examples.gpt import GPT
+    from tests.workers_fsdp1 import _error
+    _, FSDP = _api("dptc")
+    rank, world = dptc.get_rank(), dptc.get_world_size()
+    model, ref = build(n_layer=2), build(n_layer=2)
+    before = torch.optim.SGD(model.parameters(), lr=0.1)
+    ignored = torch.optim.SGD(model.pos_emb.parameters(), lr=0.1)
+    stale = model.tok_emb.weight
+    wrapped = FSDP(model, device_id="cpu", ignored_modules=[model.pos_emb],
+                   auto_wrap_policy=functools.partial(_policy("dptc"),
+                                                      transformer_layer_cls={Block}))
+    after = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    idx = torch.randint(0, 64, (2 * world, 9), generator=torch.Generator().manual_seed(3))
+    mine = idx[rank * 2:(rank + 1) * 2]
+    GPT.loss(wrapped(mine[:, :-1]), mine[:, 1:]).backward()
+    GPT.loss(ref(idx[:, :-1]), idx[:, 1:]).backward()
+    # The ignored embedding is not reduced (as under torch's FSDP1): the reference's is the
+    # mean of the ranks' gradients, so it steps on its own here.
+    ref.pos_emb.weight.grad = None
+    with FSDP.summon_full_params(wrapped, writeback=False):
+        start = {name: p.detach().clone() for name, p in wrapped.named_parameters()}
+    out = {"before": _error(before.step)}
+    with FSDP.summon_full_params(wrapped, writeback=False):
+        out["moved"] = sum(not torch.equal(p.detach(), start[name])
+                           for name, p in wrapped.named_parameters())
+    out["ignored"] = _error(ignored.step)
+    ignored.zero_grad()
+    out["after"] = _error(after.step)
+    ref_opt.step()
+    with FSDP.summon_full_params(wrapped, writeback=False):
+        got = {name.replace("_fsdp_wrapped_module.", ""): p.detach().flatten().tolist()
+               for name, p in wrapped.named_parameters() if "pos_emb" not in name}
+    out["after_vs_reference"] = [got, {name: p.detach().flatten().tolist()
+                                       for name, p in ref.named_parameters()
+                                       if "pos_emb" not in name}]
+    after.add_param_group({"params": [stale]})
+    out["added"] = _error(after.step)
+    dptc.destroy_process_group()
     return out

@@ -148,6 +148,50 @@ def _set_prefetch(state, backward_prefetch, forward_prefetch):
     state.prefetch_after_backward = backward_prefetch == BackwardPrefetch.BACKWARD_POST
 
 
+# [Note: an optimizer built before wrapping]
+# fully_shard replaces each parameter it shards with a new DTensor parameter.  An optimizer
+# made from model.parameters() before FullyShardedDataParallel wrapped the model holds the
+# replaced ones, which never get a gradient again: its step() changes nothing, silently
+# (torch 2.13's FSDP1, whose flat parameters take over the originals' memory, dies with
+# SIGSEGV there on CPU).  So the replaced parameters are marked with their names, and an
+# optimizer's first step() (again after add_param_group) raises if it holds any.
+
+_REPLACED = "_dptc_replaced_by_fsdp"
+_step_check = None
+
+
+def _mark_replaced(originals, module):
+    """Marks the parameters of `originals` (named_parameters() before fully_shard) that
+    module no longer holds, and registers the optimizer check once per process."""
+    global _step_check
+    kept = {id(param) for param in module.parameters()}
+    for name, param in originals:
+        if id(param) not in kept:
+            setattr(param, _REPLACED, _clean(name))
+    if _step_check is None:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+        _step_check = register_optimizer_step_pre_hook(
+            _refuse_replaced_parameters)
+
+
+def _refuse_replaced_parameters(optimizer, args, kwargs):
+    checked = optimizer.__dict__.get("_dptc_checked_groups")
+    if checked == len(optimizer.param_groups):
+        return
+    stale = [getattr(param, _REPLACED) for group in optimizer.param_groups
+             for param in group["params"] if hasattr(param, _REPLACED)]
+    if stale:
+        shown = ", ".join(stale[:5]) + (f" and {len(stale) - 5} more" if len(stale) > 5 else "")
+        raise RuntimeError(
+            f"{type(optimizer).__name__}.step(): the optimizer holds {len(stale)} parameters "
+            f"that FullyShardedDataParallel replaced with sharded ones when it wrapped the "
+            f"model ({shown}); they get no gradients, so the step would not train the model. "
+            f"Construct the optimizer after wrapping, from the wrapped model: "
+            f"{type(optimizer).__name__}(model.parameters(), ...) with model the "
+            f"FullyShardedDataParallel instance")
+    optimizer.__dict__["_dptc_checked_groups"] = len(optimizer.param_groups)
+
+
 def _policy_of(mixed_precision, root):
     if mixed_precision is None:
         return MixedPrecisionPolicy()
@@ -242,6 +286,9 @@ class FullyShardedDataParallel(nn.Module):
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
         device = _device_of(module, device_id)
+        # The root names replaced parameters by their names in the model (see [Note: an
+        # optimizer built before wrapping]).
+        model_names = list(module.named_parameters()) if _root else []
         if cpu_offload is not None and not isinstance(cpu_offload, CPUOffload):
             raise TypeError(f"cpu_offload must be a CPUOffload, got {cpu_offload!r}")
         if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
@@ -307,9 +354,14 @@ class FullyShardedDataParallel(nn.Module):
                         buffer_module._buffers[name] = buffer.to(mixed_precision.buffer_dtype)
         reshard = strategy not in (ShardingStrategy.SHARD_GRAD_OP,
                                    ShardingStrategy._HYBRID_SHARD_ZERO2)
+        originals = list(module.named_parameters())
         fully_shard(module, mesh=mesh, reshard_after_forward=reshard if not _root else None,
                     mp_policy=_policy_of(mixed_precision, _root),
                     ignored_params=ignored_params or None)
+        _mark_replaced(originals, module)
+        for name, param in model_names:
+            if hasattr(param, _REPLACED):
+                setattr(param, _REPLACED, name)
         # The unit's State, kept here: activation checkpointing applied later may put a
         # wrapper between this instance and the module it shards.
         state = self.__dict__["_fsdp_state"] = module.__dict__["_dptc_fsdp_state"]
