@@ -18,9 +18,12 @@ struct dptc_bridge {
     /* A list the exceptions the callable raised are appended to, so that the
      * rank raises the original exception (see group_raise in module.c). */
     PyObject *errors;
+    /* dptc.PeerLostError: the callable raises it when a member on another
+     * node failed (dptc/group.py _run_bridged); see take_exception. */
+    PyObject *peer_lost;
 };
 
-dptc_bridge *dptc_bridge_new(PyObject *callable, PyObject *errors)
+dptc_bridge *dptc_bridge_new(PyObject *callable, PyObject *errors, PyObject *peer_lost)
 {
     dptc_bridge *b = PyMem_RawCalloc(1, sizeof *b);
     if (!b) {
@@ -29,6 +32,7 @@ dptc_bridge *dptc_bridge_new(PyObject *callable, PyObject *errors)
     }
     b->callable = Py_NewRef(callable);
     b->errors = Py_NewRef(errors);
+    b->peer_lost = Py_NewRef(peer_lost);
     return b;
 }
 
@@ -40,13 +44,19 @@ void dptc_bridge_free(dptc_bridge *b)
         PyGILState_STATE gil = PyGILState_Ensure();
         Py_CLEAR(b->callable);
         Py_CLEAR(b->errors);
+        Py_CLEAR(b->peer_lost);
         PyGILState_Release(gil);
     }
     PyMem_RawFree(b);
 }
 
-/* Formats the pending Python exception into err, keeps it in b->errors and
- * clears it.  Returns DPTC_ERR_PYTHON. */
+/* Formats the pending Python exception into err and clears it.  A
+ * PeerLostError (a member on another node failed) becomes
+ * DPTC_ERR_PEER_LOST with its own message, so every path that raises for
+ * the group's failure (a collective's wait, DDP's reducer, fully_shard's
+ * units) raises PeerLostError for it, as for a peer lost on this node.
+ * Any other exception is kept in b->errors, for the rank to raise the
+ * original (group_raise in module.c), and is DPTC_ERR_PYTHON. */
 static dptc_status take_exception(dptc_bridge *b, dptc_error *err)
 {
 #if PY_VERSION_HEX >= 0x030C0000
@@ -62,13 +72,19 @@ static dptc_status take_exception(dptc_bridge *b, dptc_error *err)
     const char *message = text ? PyUnicode_AsUTF8(text) : NULL;
     if (!message)
         PyErr_Clear();
-    dptc_fail(err, DPTC_ERR_PYTHON, "the cross-node step (gloo) failed: %s: %s",
-              exc ? Py_TYPE(exc)->tp_name : "error", message ? message : "(no message)");
-    if (exc && PyList_Append(b->errors, exc) < 0)
-        PyErr_Clear();
+    dptc_status status = DPTC_ERR_PYTHON;
+    if (exc && PyObject_TypeCheck(exc, (PyTypeObject *)b->peer_lost)) {
+        status = dptc_fail(err, DPTC_ERR_PEER_LOST, "%s",
+                           message ? message : "a member on another node failed");
+    } else {
+        dptc_fail(err, DPTC_ERR_PYTHON, "the cross-node step (gloo) failed: %s: %s",
+                  exc ? Py_TYPE(exc)->tp_name : "error", message ? message : "(no message)");
+        if (exc && PyList_Append(b->errors, exc) < 0)
+            PyErr_Clear();
+    }
     Py_XDECREF(text);
     Py_XDECREF(exc);
-    return DPTC_ERR_PYTHON;
+    return status;
 }
 
 dptc_status dptc_bridge_call(dptc_bridge *b, dptc_bridge_op op, dptc_dtype dtype,

@@ -1034,7 +1034,8 @@ static PyObject *group_set_bridge(GroupObject *self, PyObject *const *args, Py_s
                      Py_TYPE(args[1])->tp_name);
         return NULL;
     }
-    struct dptc_bridge *bridge = dptc_bridge_new(args[1], self->errors);
+    struct dptc_bridge *bridge = dptc_bridge_new(
+        args[1], self->errors, dptc_state_from_type(Py_TYPE(self))->peer_lost_error);
     if (!bridge)
         return NULL;
     dptc_shm_set_bridge(dptc_group_transport(g), (int)stream, bridge);

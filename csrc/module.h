@@ -58,9 +58,10 @@ int dptc_cuda_stream_handle(PyObject *stream, void **out);
 
 
 /* The cross-node step around a Python callable (bridge.c); exceptions the
- * callable raises are appended to the list `errors`.  Returns NULL with an
- * exception set on failure. */
-struct dptc_bridge *dptc_bridge_new(PyObject *callable, PyObject *errors);
+ * callable raises are appended to the list `errors`, except instances of
+ * `peer_lost` (dptc.PeerLostError), which fail with DPTC_ERR_PEER_LOST.
+ * Returns NULL with an exception set on failure. */
+struct dptc_bridge *dptc_bridge_new(PyObject *callable, PyObject *errors, PyObject *peer_lost);
 
 /* Installs the Ctrl-C check of [Note: interrupts] (dptc.h) on this thread
  * for the length of a wait that can raise; unwatch restores the previous

@@ -1,0 +1,28 @@
+"""DDP over two simulated nodes of two ranks (run_ranks(nnodes=2), as tests/test_cross_node.py):
+what a rank raises when a member on the other node fails.  Rank-side functions are in
+tests/workers_cross_node_ddp.py.
+"""
+
+from tests._launch import run_ranks
+from tests.test_cross_node import NNODES, PROPAGATION_S, WORLD, _describe
+
+TARGET = "tests.workers_cross_node_ddp:"
+
+
+def test_ddp_peer_on_the_other_node_aborts_raises_peer_lost():
+    """Rank 3 (node 1) aborts while ranks 0-2 are in a DDP backward.  Ranks 0 and 1 (node 0)
+    learn it in the cross-node step of a bucket, on the engine's thread; they raise
+    PeerLostError naming the abort, as a collective would, not a bare DistError whose message
+    wraps the bridge's ("the cross-node step (gloo) failed: PeerLostError: ..."), within
+    PROPAGATION_S."""
+    records = run_ranks(TARGET + "ddp_step_with_an_aborted_peer", WORLD, nnodes=NNODES,
+                        timeout=90, args={"victim": 3})
+    info = _describe(records)
+    assert records[3]["error_type"] is None, info
+    aborted_at = records[3]["after"]
+    for rank in (0, 1, 2):
+        record = records[rank]
+        assert record["error_type"] == "PeerLostError", info
+        assert "test abort on node 1" in record["error"], info
+        assert "the cross-node step (gloo) failed" not in record["error"], info
+        assert record["after"] - aborted_at < PROPAGATION_S, info

@@ -1,0 +1,29 @@
+"""Rank-side functions for tests/test_cross_node_ddp.py: DDP over two (simulated) nodes.
+
+Run through tests._launch.run_ranks(..., nnodes=2): ranks 0-1 are node 0, ranks 2-3 node 1.
+The clock and the records are tests/workers_cross_node.py's (_ready, _observe).
+"""
+
+import time
+
+import torch
+
+from tests.workers_cross_node import ACT_AFTER_S, _observe, _ready
+
+
+def ddp_step_with_an_aborted_peer(victim: int):
+    """Rank `victim` aborts the world ACT_AFTER_S after the barrier, while the others run a
+    DDP backward whose buckets cross the nodes.  Every rank returns an _observe record."""
+    import dptc
+    torch.manual_seed(0)
+    model = dptc.DistributedDataParallel(torch.nn.Sequential(
+        torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64)))
+    _, pg = _ready()
+    everyone = range(pg.size)
+    if pg.rank == victim:
+        def act():
+            time.sleep(ACT_AFTER_S)
+            pg.abort("test abort on node 1")
+        return _observe(pg, act, everyone)
+    batch = torch.randn(8, 64, generator=torch.Generator().manual_seed(pg.rank))
+    return _observe(pg, lambda: model(batch).sum().backward(), everyone)
