@@ -295,8 +295,12 @@ static dptc_status aborted_error(shm_transport *s, dptc_error *err)
      * interrupt, a failed step) happened to the aborter: here, a peer is lost. */
     if (status == DPTC_ERR_MISMATCH)
         return dptc_fail(err, status, "%s", s->header->reason);
-    return dptc_fail(err, DPTC_ERR_PEER_LOST, "local rank %d of node %d aborted the group: %s",
-                     who, s->node, s->header->reason);
+    /* Named by global rank: a group's local ranks and node index are its own,
+     * not the launcher's (global rank 3 is local rank 1 of node 0 in a group
+     * [2, 3] of a job's second node).  Messages say whose node they mean, as
+     * they travel to other nodes (the store's abort key, dptc/group.py). */
+    return dptc_fail(err, DPTC_ERR_PEER_LOST, "global rank %d aborted the group: %s",
+                     global_rank(s, who), s->header->reason);
 }
 
 static dptc_status wait_peer(channel *ch, int peer, uint32_t target, double deadline,
@@ -330,11 +334,13 @@ static dptc_status wait_peer(channel *ch, int peer, uint32_t target, double dead
         double now = dptc_now();
         if (now >= deadline) {
             status = dptc_fail(err, DPTC_ERR_TIMEOUT,
-                               "timed out waiting for global rank %d (local rank %d of node %d, "
-                               "pid %d) at step %u of stream %d; it is alive but did not "
-                               "arrive: it may be stuck, or issuing fewer collectives than this "
-                               "rank", global_rank(s, peer), peer, s->node,
-                               (int)atomic_load(&ch->peers[peer].pid), target, ch->index);
+                               "timed out waiting for global rank %d (pid %d, on the node of "
+                               "global rank %d) at step %u of stream %d; it is alive but did "
+                               "not arrive: it may be stuck, or issuing fewer collectives than "
+                               "global rank %d", global_rank(s, peer),
+                               (int)atomic_load(&ch->peers[peer].pid),
+                               global_rank(s, s->local_rank), target, ch->index,
+                               global_rank(s, s->local_rank));
             break;
         }
         if (dptc_interrupted()) {
@@ -355,10 +361,10 @@ static dptc_status wait_peer(channel *ch, int peer, uint32_t target, double dead
         }
         if (!pid_alive(atomic_load(&ch->peers[peer].pid))) {
             status = dptc_fail(err, DPTC_ERR_PEER_LOST,
-                               "global rank %d (local rank %d of node %d, pid %d) exited while "
-                               "this rank waited for it",
-                               global_rank(s, peer), peer, s->node,
-                               (int)atomic_load(&ch->peers[peer].pid));
+                               "global rank %d (pid %d) exited while global rank %d, on its "
+                               "node, waited for it", global_rank(s, peer),
+                               (int)atomic_load(&ch->peers[peer].pid),
+                               global_rank(s, s->local_rank));
             break;
         }
         double slice = deadline - now < SLEEP_SLICE_S ? deadline - now : SLEEP_SLICE_S;

@@ -1,0 +1,63 @@
+"""How dptc finds the nodes when the launch variables are set by hand instead of by torchrun.
+
+dptc tells nodes apart by GROUP_RANK (torchrun's node index), else by host name, and checks
+LOCAL_RANK against the layout it derives (dptc/group.py _world_layout).  Four ranks on this
+host stand for two nodes of two.  Rank-side functions are in tests/workers_node_layout.py.
+"""
+
+import re
+
+import pytest
+
+from tests._launch import run_ranks
+
+WORLD = 4
+TARGET = "tests.workers_node_layout:"
+
+
+def test_local_rank_without_group_rank_raises_on_every_rank():
+    """LOCAL_RANK 0, 1, 0, 1 and no GROUP_RANK (a hand-written launcher that sets LOCAL_RANK
+    and its own node variable, say NODE_RANK): by host name the four ranks are one node, where ranks 2 and 3 would be local
+    ranks 2 and 3.  Every rank raises the same ValueError naming rank 2, its LOCAL_RANK, the
+    layout and the remedy; ranks 0 and 1, whose LOCAL_RANK agrees, used to wait for the others
+    at the group's bootstrap and fail with torch's DistStoreError at DPTC_TIMEOUT."""
+    results = run_ranks(TARGET + "layout", WORLD, nnodes=2, timeout=90, expect_failure=True,
+                        env={"GROUP_RANK": None, "GROUP_WORLD_SIZE": None})
+    messages = {result["error"] for result in results}
+    for rank, result in enumerate(results):
+        assert result["error_type"] == "ValueError", (rank, result["error_type"],
+                                                      result["error"], result["stderr"])
+    assert len(messages) == 1, messages
+    message = messages.pop()
+    assert message.startswith("global rank 2 has LOCAL_RANK=0, but dptc, which tells nodes "
+                              "apart by no GROUP_RANK, so by host name"), message
+    assert "local rank 2 of node 0 (ranks [0, 1, 2, 3])" in message, message
+    assert "set GROUP_RANK to each node's index" in message, message
+
+
+def test_group_rank_set_by_hand_makes_two_nodes():
+    """RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT and GROUP_RANK (0, 0, 1, 1) alone, without
+    LOCAL_RANK or LOCAL_WORLD_SIZE: two nodes of two, and the all_reduce is exact."""
+    results = run_ranks(TARGET + "layout", WORLD, nnodes=2, timeout=90,
+                        env={"LOCAL_RANK": None, "LOCAL_WORLD_SIZE": None})
+    assert [(r["node"], r["nnodes"], r["local_rank"], r["local_size"]) for r in results] == \
+        [(0, 2, 0, 2), (0, 2, 1, 2), (1, 2, 0, 2), (1, 2, 1, 2)], results
+    assert all(r["sum"] == 10.0 for r in results), results
+
+
+@pytest.mark.parametrize("how", ["abort", "sigkill"])
+def test_peer_lost_in_a_subgroup_names_the_global_rank(how):
+    """Global rank 3 aborts, or is killed, while rank 2 waits on it in the group [2, 3] on node
+    1.  Rank 2's PeerLostError names rank 3 by its global rank; the group's own layout (rank 3
+    is local rank 1 of the group's only node, node 0) is not the launcher's, and used to read
+    "local rank 1 of node 0" for a process on node 1."""
+    results = run_ranks(TARGET + "subgroup_peer_lost", WORLD, nnodes=2, timeout=90,
+                        args={"how": how}, expect_failure=True)
+    got = results[2]["value"]
+    assert results[2]["exitcode"] == 0 and got is not None, results[2]
+    assert got["error_type"] == "PeerLostError", got
+    if how == "abort":
+        assert got["error"] == "global rank 3 aborted the group: test abort", got
+    else:
+        assert re.fullmatch(r"global rank 3 \(pid \d+\) exited while global rank 2, on its node, "
+                            r"waited for it", got["error"]), got
