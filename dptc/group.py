@@ -149,6 +149,15 @@ class ProcessGroup:
         for engine in (self._c, *self._nccl.values()):
             if not engine.closed:
                 engine.abort(str(reason))
+        if self.nnodes > 1 and not self._c.closed:
+            # The members on other nodes learn it from the store's abort key (_watch_failure).
+            # Write it now rather than at the watcher's next poll: a rank aborting for an
+            # uncaught exception exits right after, and its peers' gloo connections close; a
+            # member that sees its connection close first finds the reason here (_run_bridged).
+            try:
+                _watch_failure(self._c, self._store)
+            except Exception:  # noqa: BLE001 - the store went with the job; the watcher tries too
+                pass
 
     def close(self):
         # The watchers go first: one still inside a store call while the process exits and

@@ -26,3 +26,21 @@ def test_ddp_peer_on_the_other_node_aborts_raises_peer_lost():
         assert "test abort on node 1" in record["error"], info
         assert "the cross-node step (gloo) failed" not in record["error"], info
         assert record["after"] - aborted_at < PROPAGATION_S, info
+
+
+def test_uncaught_exception_on_the_other_node_is_named_everywhere():
+    """Rank 3 (node 1) dies of an uncaught RuntimeError while ranks 0-2 wait in an all_reduce;
+    its process is gone right after the traceback.  Rank 1, whose cross-node peer it is, sees
+    gloo's connection close at once; every survivor must still raise PeerLostError naming
+    rank 3's exception (dptc's excepthook writes the abort to the store before the process
+    can exit), not only gloo's "Connection closed by peer"."""
+    results = run_ranks(TARGET + "uncaught_then_exit", WORLD, nnodes=NNODES, timeout=90,
+                        args={"victim": 3}, expect_failure=True)
+    records = [result["value"] for result in results]
+    info = _describe(records)
+    assert results[3]["exitcode"] == 1, info
+    for rank in (0, 1, 2):
+        record = records[rank]
+        assert record["error_type"] == "PeerLostError", info
+        assert "rank 3 stopped with an uncaught RuntimeError: victim raised" in record["error"], \
+            info

@@ -27,3 +27,24 @@ def ddp_step_with_an_aborted_peer(victim: int):
         return _observe(pg, act, everyone)
     batch = torch.randn(8, 64, generator=torch.Generator().manual_seed(pg.rank))
     return _observe(pg, lambda: model(batch).sum().backward(), everyone)
+
+
+def uncaught_then_exit(victim: int):
+    """Rank `victim` fails ACT_AFTER_S after the barrier as a script's uncaught exception ends
+    it: sys.excepthook (dptc's aborts every group), then the process is gone at once
+    (os._exit, as a process killed right after its traceback is printed).  The others wait in
+    an all_reduce it never joins and return _observe records."""
+    import os
+    import sys
+
+    _, pg = _ready()
+    if pg.rank == victim:
+        time.sleep(ACT_AFTER_S)
+        try:
+            raise RuntimeError("victim raised")
+        except RuntimeError:
+            sys.excepthook(*sys.exc_info())
+        os._exit(1)
+    import dptc
+    survivors = [r for r in range(pg.size) if r != victim]
+    return _observe(pg, lambda: dptc.all_reduce(torch.ones(1 << 16)), survivors)
