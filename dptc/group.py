@@ -22,6 +22,7 @@ import secrets
 import socket
 import sys
 import threading
+import time
 import weakref
 
 import torch
@@ -45,6 +46,9 @@ _OP_NAMES = {0: "all_reduce", 1: "broadcast", 2: "all_gather_into_tensor",
 DEFAULT_SLOT_BYTES = 1 << 20
 # How often a cross-node wait looks for an abort of the group elsewhere.
 ABORT_POLL_S = 0.1
+# How long a member whose gloo peer's connection closed waits for the reason in the store
+# (see _run_bridged).
+LOST_REASON_WAIT_S = 0.5
 # How a large one-node all-reduce stages its data (csrc/shm.h dptc_shm_staging; [Note: staging]
 # in csrc/shm.c): chosen by timing both, or fixed with DPTC_SHM_STAGING.
 STAGINGS = {"auto": 2, "cached": 0, "streamed": 1}
@@ -380,9 +384,20 @@ def _run_bridged(issue, engine, store, what):
     from . import PeerLostError
 
     def lost(error):
+        # gloo's own error says only that a connection closed.  A member that died is seen
+        # first by its cross-node peers; its node peers notice within their wait's slice and
+        # write the reason to the store within ABORT_POLL_S (_watch_failure): wait for it a
+        # little, so the error names who failed and how.
         failure = engine.failure()
-        if failure is None and store.check(["abort"]):
-            failure = store.get("abort").decode(errors="replace")
+        deadline = time.monotonic() + LOST_REASON_WAIT_S
+        while failure is None:
+            if store.check(["abort"]):
+                failure = store.get("abort").decode(errors="replace")
+            elif time.monotonic() < deadline:
+                time.sleep(ABORT_POLL_S / 5)
+                failure = engine.failure()
+            else:
+                break
         cause = f"{failure} (gloo: {error})" if failure else f"gloo failed: {error}"
         return PeerLostError(f"{what} lost a member on another node: {cause}")
 

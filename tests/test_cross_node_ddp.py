@@ -44,3 +44,20 @@ def test_uncaught_exception_on_the_other_node_is_named_everywhere():
         assert record["error_type"] == "PeerLostError", info
         assert "rank 3 stopped with an uncaught RuntimeError: victim raised" in record["error"], \
             info
+
+
+def test_sigkill_on_the_other_node_is_named_by_its_cross_node_peer():
+    """Rank 3 (node 1) is SIGKILLed while ranks 0-2 wait in an all_reduce.  Rank 1, its
+    cross-node peer, sees gloo's connection reset at once, before rank 2, on rank 3's node,
+    has noticed the death; rank 1 must still raise PeerLostError naming rank 3's exit (rank 2
+    writes it to the store within ABORT_POLL_S), not only gloo's connection error."""
+    results = run_ranks("tests.workers_cross_node:killed_while_blocked", WORLD, nnodes=NNODES,
+                        timeout=90, args={"victim": 3}, expect_failure=True)
+    records = [result["value"] for result in results]
+    info = _describe([r or {"error_type": None, "error": None, "after": 0.0} for r in records])
+    assert results[3]["exitcode"] == -9, info
+    for rank in (0, 1, 2):
+        assert records[rank]["error_type"] == "PeerLostError", info
+        assert "global rank 3 (pid " in records[rank]["error"], info
+        assert "exited while global rank 2, on its node, waited for it" in \
+            records[rank]["error"], info
