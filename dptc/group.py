@@ -376,6 +376,16 @@ def _cross_group(store, stream, local_rank, node, nnodes, timeout):
     return dist.ProcessGroupGloo(prefix, node, nnodes, datetime.timedelta(seconds=timeout))
 
 
+def _abort_reason(store):
+    """The reason written under the group store's abort key, else under the world's (a group
+    whose only member on the failed node is the one that died has nobody to write its key;
+    its node peers write the world's), else None."""
+    for candidate in (store, getattr(_default, "_store", None)):
+        if candidate is not None and candidate.check(["abort"]):
+            return candidate.get("abort").decode(errors="replace")
+    return None
+
+
 def _run_bridged(issue, engine, store, what):
     """Issues a gloo operation (issue() -> work) and waits for it, giving up when the group
     failed here or a member elsewhere wrote the abort key (see _watch_failure): a gloo op
@@ -391,12 +401,11 @@ def _run_bridged(issue, engine, store, what):
         failure = engine.failure()
         deadline = time.monotonic() + LOST_REASON_WAIT_S
         while failure is None:
-            if store.check(["abort"]):
-                failure = store.get("abort").decode(errors="replace")
-            elif time.monotonic() < deadline:
+            failure = _abort_reason(store)
+            if failure is None and time.monotonic() < deadline:
                 time.sleep(ABORT_POLL_S / 5)
                 failure = engine.failure()
-            else:
+            elif failure is None:
                 break
         cause = f"{failure} (gloo: {error})" if failure else f"gloo failed: {error}"
         return PeerLostError(f"{what} lost a member on another node: {cause}")

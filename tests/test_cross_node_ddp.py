@@ -61,3 +61,21 @@ def test_sigkill_on_the_other_node_is_named_by_its_cross_node_peer():
         assert "global rank 3 (pid " in records[rank]["error"], info
         assert "exited while global rank 2, on its node, waited for it" in \
             records[rank]["error"], info
+
+
+def test_sigkill_named_in_a_pair_that_has_nobody_left_on_the_dead_node():
+    """Rank 3 is SIGKILLed while rank 1 waits on it in the group [1, 3] (an HSDP replicate
+    group): nobody of that group is left on node 1 to write its abort key, but rank 2 writes
+    the world's when it notices the exit.  Rank 1 names rank 3's exit from there, not only
+    gloo's connection error."""
+    results = run_ranks(TARGET + "killed_in_a_cross_node_pair", WORLD, nnodes=NNODES,
+                        timeout=90, expect_failure=True)
+    records = [result["value"] for result in results]
+    info = _describe([r or {"error_type": None, "error": None, "after": 0.0} for r in records])
+    assert results[3]["exitcode"] == -9, info
+    # Rank 0 waits on rank 1 in its node's segment, where no cross-node abort reaches it; it
+    # raises once rank 1 aborts or exits (here, after rank 1's _observe lingers).
+    for rank in (1, 2):
+        assert records[rank]["error_type"] == "PeerLostError", info
+        assert "exited while global rank 2, on its node, waited for it" in \
+            records[rank]["error"], info

@@ -48,3 +48,26 @@ def uncaught_then_exit(victim: int):
     import dptc
     survivors = [r for r in range(pg.size) if r != victim]
     return _observe(pg, lambda: dptc.all_reduce(torch.ones(1 << 16)), survivors)
+
+
+def killed_in_a_cross_node_pair():
+    """HSDP's replicate groups as new_group([0, 2]) and new_group([1, 3]).  Rank 3 SIGKILLs
+    itself ACT_AFTER_S after the barrier while rank 1 waits on it in an all_reduce over
+    [1, 3] and ranks 0 and 2 wait in an all_reduce over the world.  Survivors return _observe
+    records."""
+    import os
+    import signal
+
+    import dptc
+    _, pg = _ready()
+    pairs = [dptc.new_group([0, 2]), dptc.new_group([1, 3])]
+    dptc.barrier()
+    from tests._rank import start_clock
+    start_clock()
+    if pg.rank == 3:
+        time.sleep(ACT_AFTER_S)
+        os.kill(os.getpid(), signal.SIGKILL)
+    if pg.rank == 1:
+        return _observe(pg, lambda: dptc.all_reduce(torch.ones(1 << 16), group=pairs[1]),
+                        [1, 2])
+    return _observe(pg, lambda: dptc.all_reduce(torch.ones(1 << 16)), [1, 2])
