@@ -61,3 +61,17 @@ def test_peer_lost_in_a_subgroup_names_the_global_rank(how):
     else:
         assert re.fullmatch(r"global rank 3 \(pid \d+\) exited while global rank 2, on its node, "
                             r"waited for it", got["error"]), got
+
+
+def test_hybrid_shard_on_nodes_of_unequal_size_raises():
+    """FSDP1 HYBRID_SHARD, no process_group, on nodes of two and one rank: there is no
+    (replicate, shard) layout of whole nodes.  Every rank raises ValueError naming the nodes'
+    sizes and the remedies, where dptc used to make every node a replica of one rank each
+    (every rank held all 72 parameters: NO_SHARD, silently)."""
+    results = run_ranks(TARGET + "hybrid_shard_on_uneven_nodes", 3, timeout=90)
+    for rank, result in enumerate(results):
+        assert result.get("error", "").startswith(
+            "ShardingStrategy.HYBRID_SHARD without process_group shards within a node"), \
+            (rank, result)
+        assert "the nodes hold [2, 1] ranks" in result["error"], (rank, result)
+        assert "process_group=(shard group, replicate group)" in result["error"], (rank, result)

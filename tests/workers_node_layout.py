@@ -46,3 +46,25 @@ def subgroup_peer_lost(how: str):
         store.set("rank2_done", "1")
     store.wait(["rank2_done"])
     return result
+
+
+def hybrid_shard_on_uneven_nodes():
+    """Three ranks as nodes of two and one (GROUP_RANK 0, 0, 1, as two torchrun invocations
+    with --nproc-per-node 2 and 1 give them), set before dptc initialises: FSDP1 HYBRID_SHARD
+    without process_group.  Returns what the constructor raised, or each rank's local share
+    of the parameters."""
+    import os
+
+    import dptc
+    rank = int(os.environ["RANK"])
+    os.environ["GROUP_RANK"] = "0" if rank < 2 else "1"
+    os.environ["LOCAL_RANK"] = str(rank if rank < 2 else 0)
+    dptc.init_process_group()
+    torch.manual_seed(0)
+    try:
+        model = dptc.FullyShardedDataParallel(
+            torch.nn.Linear(8, 8), sharding_strategy=dptc.ShardingStrategy.HYBRID_SHARD,
+            device_id=torch.device("cpu"))
+    except ValueError as error:
+        return {"error": str(error)}
+    return {"local": sum(p.to_local().numel() for p in model.parameters())}

@@ -30,6 +30,7 @@ from torch.distributed.fsdp import (BackwardPrefetch, CPUOffload, FullOptimState
 from torch.distributed.tensor import DTensor
 
 from .._dcp import recognise, torch_methods
+from .. import group as _group_module
 from ..group import default_group
 from ._api import MixedPrecisionPolicy
 from ._comm_hooks import resolve as resolve_comm_hook
@@ -68,7 +69,15 @@ def _mesh_for(strategy, process_group, device_mesh, device_type):
         return device_mesh
     if strategy in _HYBRID:
         if process_group is None:
-            local = default_group().local_size
+            counts = collections.Counter(_group_module._world_nodes)
+            if len(set(counts.values())) != 1:
+                raise ValueError(
+                    f"{strategy} without process_group shards within a node and replicates "
+                    f"across nodes, which needs as many ranks on every node; the nodes hold "
+                    f"{[counts[n] for n in sorted(counts)]} ranks.  Launch the same "
+                    f"--nproc-per-node on every node, or pass process_group=(shard group, "
+                    f"replicate group) or a 2-D device_mesh")
+            local = counts[0]
             world = dist.get_world_size()
             return init_device_mesh(device_type, (world // local, local),
                                     mesh_dim_names=("replicate", "shard"))
