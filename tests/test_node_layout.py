@@ -1,8 +1,8 @@
 """How dptc finds the nodes when the launch variables are set by hand instead of by torchrun.
 
 dptc tells nodes apart by GROUP_RANK (torchrun's node index), else by host name, and checks
-LOCAL_RANK against the layout it derives (dptc/group.py _world_layout).  Four ranks on this
-host stand for two nodes of two.  Rank-side functions are in tests/workers_node_layout.py.
+LOCAL_RANK against the layout it derives (dptc/group.py; a LOCAL_RANK that disagrees is tested in
+tests/test_cross_node.py).  Four ranks on this host stand for two nodes of two.  Rank-side functions are in tests/workers_node_layout.py.
 """
 
 import re
@@ -13,26 +13,6 @@ from tests._launch import run_ranks
 
 WORLD = 4
 TARGET = "tests.workers_node_layout:"
-
-
-def test_local_rank_without_group_rank_raises_on_every_rank():
-    """LOCAL_RANK 0, 1, 0, 1 and no GROUP_RANK (a hand-written launcher that sets LOCAL_RANK
-    and its own node variable, say NODE_RANK): by host name the four ranks are one node, where ranks 2 and 3 would be local
-    ranks 2 and 3.  Every rank raises the same ValueError naming rank 2, its LOCAL_RANK, the
-    layout and the remedy; ranks 0 and 1, whose LOCAL_RANK agrees, used to wait for the others
-    at the group's bootstrap and fail with torch's DistStoreError at DPTC_TIMEOUT."""
-    results = run_ranks(TARGET + "layout", WORLD, nnodes=2, timeout=90, expect_failure=True,
-                        env={"GROUP_RANK": None, "GROUP_WORLD_SIZE": None})
-    messages = {result["error"] for result in results}
-    for rank, result in enumerate(results):
-        assert result["error_type"] == "ValueError", (rank, result["error_type"],
-                                                      result["error"], result["stderr"])
-    assert len(messages) == 1, messages
-    message = messages.pop()
-    assert message.startswith("global rank 2 has LOCAL_RANK=0, but dptc, which tells nodes "
-                              "apart by no GROUP_RANK, so by host name"), message
-    assert "local rank 2 of node 0 (ranks [0, 1, 2, 3])" in message, message
-    assert "set GROUP_RANK to each node's index" in message, message
 
 
 def test_group_rank_set_by_hand_makes_two_nodes():
