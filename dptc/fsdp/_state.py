@@ -31,7 +31,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.nn.modules.module import _global_backward_hooks
 from torch.utils._pytree import tree_flatten, tree_map
 
-from .._compile import eager
+from .._compile import hook
 from .._ranges import Range
 from ..group import _env_flag
 from ._unit import ReduceRing
@@ -153,7 +153,7 @@ class State:
 
     # -- forward ------------------------------------------------------------------------------
 
-    @eager  # see [Note: torch.compile] in dptc/_compile.py
+    @hook  # see [Note: torch.compile] in dptc/_compile.py
     def _pre_forward(self, module, args, kwargs):
         if self.root_forward_check is not None and self.root in (None, self):
             self.root_forward_check()
@@ -244,7 +244,7 @@ class State:
         index = order.index(self)
         return order[index + 1:index + 2] if index + 1 < len(order) else []
 
-    @eager
+    @hook
     def _post_forward(self, module, args, output):
         root = self.root
         self.forwarded += 1
