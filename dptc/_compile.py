@@ -21,7 +21,12 @@ torch's own files, which dynamo skips, and run under ``torch._dynamo.disable``. 
 ``hook``'s: the hook is torch's lazy disable itself, whose frame lives in torch/_compile.py,
 and no dptc frame stands in front of it.  It costs about 1 us a call more than ``eager``
 (1.5 against 0.46 us here), and imports torch._dynamo at its first call, which fully_shard's
-DTensors have imported by then anyway.
+DTensors have imported by then anyway.  fully_shard's backward hooks (pre-backward, the
+post-accumulate-grad hook of each parameter, the root's end-of-backward callback) are ``hook``s
+too: a training step compiled whole (forward, loss and ``backward()`` in one compiled function)
+runs backward with dynamo's frame callback set, so dynamo meets every frame autograd opens;
+torch's fully_shard disables its backward hooks alike.  Those cost 1.4 us a parameter a step
+over a plain closure (1.5 against 0.13 us).
 
 DDP's forward also names itself torch's active DDP module while the wrapped module runs
 (``active_ddp_module``), so that dynamo's DDPOptimizer splits a compiled forward at DDP's bucket

@@ -45,6 +45,8 @@ GPT = dict(vocab=64, d_model=96, n_layer=2, n_head=2, ctx=16)
 #   model: "function": model = torch.compile(model) after fully_shard; "method":
 #       model.compile().
 #   fullgraph: passed to every torch.compile.
+#   step: the training step (forward, loss and backward) is one compiled function, so
+#       autograd calls fully_shard's backward hooks inside it.
 # Every scenario runs with torch._dynamo.config.error_on_recompile, as a user guarding against
 # recompilation sets it: a recompilation raises (torch's fully_shard recompiles nothing here).
 # Backend aot_eager: dynamo's frames, graph breaks and AOTAutograd graphs as with inductor,
@@ -55,6 +57,7 @@ SCENARIOS = {
     "ac_compile_blocks_method": dict(ac=True, blocks="method", fullgraph=True),
     "compile_model": dict(model="function"),
     "ac_compile_model_method": dict(ac=True, model="method"),
+    "compile_step": dict(step=True),
 }
 BACKEND = "aot_eager"
 
@@ -111,14 +114,20 @@ def _run(impl, name):
     names = [n for n, _ in ref.named_parameters()]
     wrapped = _apply(impl, model, scenario)
     opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
+
+    def train_step(x, y):
+        loss = _loss(wrapped, x, y)
+        loss.backward()
+        return loss
+    if scenario.get("step"):
+        train_step = torch.compile(train_step, backend=scenario["backend"])
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     walk = PermutationWalk(GPT["vocab"], GPT["ctx"], seed=SEED + 1)
     losses, ref_losses, frames, traced = [], [], [], []
     for step in range(STEPS):
         x, y = walk.batch(step, ROWS_PER_RANK * world)
         mine = slice(rank * ROWS_PER_RANK, (rank + 1) * ROWS_PER_RANK)
-        loss = _loss(wrapped, x[mine], y[mine])
-        loss.backward()
+        loss = train_step(x[mine], y[mine])
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())

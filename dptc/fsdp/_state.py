@@ -228,6 +228,7 @@ class State:
             self.inputs_pending += 1
             register_multi_grad_hook(tensors, self._inputs_done, mode="all")
 
+    @hook
     def _inputs_done(self, _grads):
         self.inputs_pending = max(0, self.inputs_pending - 1)
         if self.inputs_pending == 0 and self.post_backward_deferred:
@@ -303,6 +304,7 @@ class State:
 
     # -- backward -----------------------------------------------------------------------------
 
+    @hook
     def _pre_backward(self, _grad):
         root = self.root
         if not root.callback_queued:
@@ -373,6 +375,7 @@ class State:
         if not self.requires_gradient_sync:
             unit.accumulate_unsynced()
 
+    @hook
     def _end_of_backward(self):
         """The root's callback, after autograd's last node (see [Note: one training step])."""
         with Range("dptc::fsdp finalize"):

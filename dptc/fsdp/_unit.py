@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from .. import _C
+from .._compile import hook as _dynamo_skipped
 from .._dtypes import OP_ALL_REDUCE, REDOP_AVG, REDOP_SUM, dtype_code
 from .._ranges import Range
 from ..group import _env_flag
@@ -840,6 +841,8 @@ class Unit:
         bucket = next(b for b in self.buckets if p in b.params)
         index = bucket.params.index(p)
 
+        # A frame dynamo skips: see [Note: torch.compile] in dptc/_compile.py.
+        @_dynamo_skipped
         def hook(_param):
             if bucket.c.grad_ready(index) and all(
                     b.c.ready == len(b.params) for b in self.buckets):
