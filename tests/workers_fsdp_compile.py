@@ -49,11 +49,13 @@ GPT = dict(vocab=64, d_model=96, n_layer=2, n_head=2, ctx=16)
 #       autograd calls fully_shard's backward hooks inside it.
 # Every scenario runs with torch._dynamo.config.error_on_recompile, as a user guarding against
 # recompilation sets it: a recompilation raises (torch's fully_shard recompiles nothing here).
-# Backend aot_eager: dynamo's frames, graph breaks and AOTAutograd graphs as with inductor,
-# the ops run eagerly (inductor's C++ kernels cost tens of seconds a GPT on 2 cores).
+#   backend: inductor for torchtitan's order; the others aot_eager: dynamo's frames, graph
+#       breaks and AOTAutograd graphs as with inductor, the ops run eagerly (inductor's C++
+#       kernels cost tens of seconds a GPT on 2 cores with a cold cache).  Under inductor
+#       every scenario also gives torch's numbers bit for bit (COMPILE_BACKEND=inductor).
 SCENARIOS = {
     # torchtitan: apply_ac, apply_compile (fullgraph), apply_fsdp
-    "ac_compile_blocks": dict(ac=True, blocks="module", fullgraph=True),
+    "ac_compile_blocks": dict(ac=True, blocks="module", fullgraph=True, backend="inductor"),
     "ac_compile_blocks_method": dict(ac=True, blocks="method", fullgraph=True),
     "compile_model": dict(model="function"),
     "ac_compile_model_method": dict(ac=True, model="method"),
@@ -103,7 +105,8 @@ def _run(impl, name):
     from torch._dynamo.utils import counters
     api = load_impl(impl)
     rank, world = api.get_rank(), api.get_world_size()
-    scenario = dict(SCENARIOS[name], backend=os.environ.get("COMPILE_BACKEND", BACKEND))
+    scenario = dict(SCENARIOS[name])
+    scenario["backend"] = os.environ.get("COMPILE_BACKEND", scenario.get("backend", BACKEND))
     torch._dynamo.reset()
     torch._dynamo.config.error_on_recompile = True
     counters.clear()
