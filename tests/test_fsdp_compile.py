@@ -8,8 +8,8 @@ its place, fully_shard on each block and the root (torchtitan's order); the same
 block.compile(fullgraph=True) in place, so that fully_shard's hooks run inside the compiled
 call; torch.compile(model) of the sharded model; model.compile() of the sharded model with
 checkpointed blocks; a compiled training step (forward, loss and backward in one compiled
-function, so that autograd runs fully_shard's backward hooks inside it).  All run with torch._dynamo.config.error_on_recompile.  Checks, per
-scenario and rank:
+function, so that autograd runs fully_shard's backward hooks inside it).  All run with
+torch._dynamo.config.error_on_recompile.  Checks, per scenario and rank:
 - losses and trained parameters are torch's bit for bit, and within 1e-9 of one process
   training the plain eager model on the whole batch (measured 1.0e-11 under aot_eager, 1.7e-11
   under inductor, which compiles torchtitan's order; every scenario under inductor, run by hand

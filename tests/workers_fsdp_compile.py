@@ -17,7 +17,6 @@ reference).  A scenario's result, per rank:
     graphs      graphs AOTAutograd compiled
 """
 
-import functools
 import gc
 import os
 import traceback
