@@ -781,7 +781,7 @@ static void check_abort_record(dptc_group *g)
     memset(&err, 0, sizeof err);
     status = dptc_shm_failure(dptc_group_transport(g), &err);
     char who[64];
-    snprintf(who, sizeof who, "local rank %d", ABORTER);
+    snprintf(who, sizeof who, "global rank %d", ABORTER);
     if (status != DPTC_ERR_PEER_LOST || !strstr(err.message, ABORT_REASON) ||
         !strstr(err.message, who))
         report("the segment's abort record is %d: \"%s\"", (int)status, err.message);
