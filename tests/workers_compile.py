@@ -144,13 +144,14 @@ def _run(impl, name):
     }
 
 
-def train_cases(impl, scenarios):
-    """Runs each named scenario; returns {name: result}.  One failing scenario does not stop
-    the others (its result says why)."""
+def run_cases(run, impl, scenarios):
+    """Runs run(impl, name) for each named scenario; returns {name: result}.  One failing
+    scenario does not stop the others (its result says why).  Destroys the process group
+    at the end."""
     results = {}
     for name in scenarios:
         try:
-            results[name] = _run(impl, name)
+            results[name] = run(impl, name)
         except Exception:  # noqa: BLE001 - reported to the test
             results[name] = {"ok": False, "error": traceback.format_exc()}
         gc.collect()
@@ -162,3 +163,8 @@ def train_cases(impl, scenarios):
         if dist.is_initialized():
             dist.destroy_process_group()
     return results
+
+
+def train_cases(impl, scenarios):
+    """Runs each named scenario; returns {name: result} (see run_cases)."""
+    return run_cases(_run, impl, scenarios)

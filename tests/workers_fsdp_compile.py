@@ -17,16 +17,14 @@ reference).  A scenario's result, per rank:
     graphs      graphs AOTAutograd compiled
 """
 
-import gc
 import os
-import traceback
 
 import torch
 import torch.nn.functional as F
 
 from examples.gpt import PermutationWalk, build_gpt
 from tests._rank import load_impl
-from tests.workers_compile import _breaks
+from tests.workers_compile import _breaks, run_cases
 from tests.workers_fsdp import _full, max_rel
 
 __all__ = ["train_cases", "SCENARIOS"]
@@ -150,23 +148,14 @@ def _run(impl, name):
     }
 
 
+def _run_once(impl, name):
+    """_run, leaving dynamo's error_on_recompile off after it, whatever happened."""
+    try:
+        return _run(impl, name)
+    finally:
+        torch._dynamo.config.error_on_recompile = False
+
+
 def train_cases(impl, scenarios):
-    """Runs each named scenario; returns {name: result}.  One failing scenario does not stop
-    the others (its result says why)."""
-    results = {}
-    for name in scenarios:
-        try:
-            results[name] = _run(impl, name)
-        except Exception:  # noqa: BLE001 - reported to the test
-            results[name] = {"ok": False, "error": traceback.format_exc()}
-        finally:
-            torch._dynamo.config.error_on_recompile = False
-        gc.collect()
-    if impl == "dptc":
-        import dptc
-        dptc.destroy_process_group()
-    else:
-        import torch.distributed as dist
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    return results
+    """Runs each named scenario; returns {name: result} (see workers_compile.run_cases)."""
+    return run_cases(_run_once, impl, scenarios)

@@ -399,18 +399,23 @@ def _mesh_groups(mesh, device_type):
         if mesh is None or mesh.size() != group.size:
             mesh = _default_mesh[device_type] = init_device_mesh(device_type,
                                                                  (dist.get_world_size(),))
-    if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"mesh must be a torch DeviceMesh (init_device_mesh) or None, got "
-                        f"{type(mesh).__name__}")
-    if mesh.device_type != device_type:
-        raise ValueError(f"mesh is on device type {mesh.device_type!r} but the parameters are "
-                         f"on {device_type!r}: init_device_mesh({device_type!r}, ...)")
+    _check_mesh(mesh, device_type, " or None")
     if mesh.ndim == 1:
         return mesh, resolve(mesh.get_group(0), "mesh"), None
     if mesh.ndim == 2:
         return mesh, resolve(mesh.get_group(1), "mesh"), resolve(mesh.get_group(0), "mesh")
     raise ValueError(f"mesh must have 1 dim (sharding) or 2 (replicate, shard) for HSDP, got "
                      f"{mesh.ndim} dims")
+
+
+def _check_mesh(mesh, device_type, or_none=""):
+    """Raises unless mesh is a DeviceMesh on device_type."""
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a torch DeviceMesh (init_device_mesh){or_none}, got "
+                        f"{type(mesh).__name__}")
+    if mesh.device_type != device_type:
+        raise ValueError(f"mesh is on device type {mesh.device_type!r} but the parameters are "
+                         f"on {device_type!r}: init_device_mesh({device_type!r}, ...)")
 
 
 def _spmd_groups(mesh, dp_mesh_dims, device_type):
@@ -422,12 +427,7 @@ def _spmd_groups(mesh, dp_mesh_dims, device_type):
     if mesh is None:
         raise ValueError("dp_mesh_dims needs mesh=: the SPMD mesh the parameters are DTensors "
                          "on, with mesh_dim_names")
-    if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"mesh must be a torch DeviceMesh (init_device_mesh), got "
-                        f"{type(mesh).__name__}")
-    if mesh.device_type != device_type:
-        raise ValueError(f"mesh is on device type {mesh.device_type!r} but the parameters are "
-                         f"on {device_type!r}: init_device_mesh({device_type!r}, ...)")
+    _check_mesh(mesh, device_type)
     shard, replicate = dp_mesh_dims.shard_names, dp_mesh_dims.replicate_names
     if not shard and not replicate:
         raise ValueError("At least one of shard or replicate must be set in dp_mesh_dims")
