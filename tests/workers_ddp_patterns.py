@@ -105,14 +105,7 @@ def zero(impl, rank):
     model = _wrapper_class(impl)(_mlp())
     opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW,
                                   lr=1e-2)
-    losses = []
-    for step in range(STEPS):
-        x, y = _batch(step, rank)
-        opt.zero_grad()
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = _train(model, opt, rank)
     opt.consolidate_state_dict(to=0)
     state = opt.state_dict() if rank == 0 else None
     return _result(losses, model, state_steps=None if state is None else
@@ -603,14 +596,7 @@ def zero_bucket_view(impl, rank):
     model = _wrapper_class(impl)(_mlp(), gradient_as_bucket_view=True)
     opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam,
                                   parameters_as_bucket_view=True, lr=1e-2)
-    losses = []
-    for step in range(STEPS):
-        x, y = _batch(step, rank)
-        opt.zero_grad()
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = _train(model, opt, rank)
     return _result(losses, model)
 
 

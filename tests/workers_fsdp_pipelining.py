@@ -20,6 +20,8 @@ import traceback
 import torch
 import torch.nn as nn
 
+from tests.workers_fsdp import max_rel
+
 __all__ = ["pipeline_case"]
 
 SEED = 2024
@@ -45,15 +47,6 @@ def _stage_slice(stage, stages):
     Linear, Tanh, Linear), of 4 each linear and its Tanh."""
     per = 4 // stages
     return slice(2 * per * stage, 2 * per * (stage + 1))
-
-
-def _max_rel(values, refs):
-    worst = 0.0
-    for value, ref in zip(values, refs):
-        scale = ref.abs().max().item()
-        diff = (value - ref).abs().max().item()
-        worst = max(worst, diff / scale if scale else diff)
-    return worst
 
 
 def pipeline_case(impl, schedule, share=False, mixed=False):
@@ -145,7 +138,7 @@ def _pipeline(impl, schedule_name, share, mixed):
     refs = [p.detach() for stage_index in indices
             for p in ref[_stage_slice(stage_index, stages)].parameters()]
     result = {"ok": True, "stage": pp_rank, "dp_rank": dp_rank,
-              "ref_rel": _max_rel(params, refs), "loss": losses_seen,
+              "ref_rel": max_rel(params, refs), "loss": losses_seen,
               "params": {name: p.flatten().tolist()
                          for (name, _), p in zip(model.named_parameters(), params)}}
     if impl == "dptc":

@@ -16,6 +16,8 @@ tensor parallelism is torch's own in both).
 import torch
 import torch.nn as nn
 
+from tests.workers_fsdp import _full, max_rel
+
 __all__ = ["tp_cases"]
 
 SEED = 97
@@ -50,19 +52,6 @@ class Net(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(x)
-
-
-def _max_rel(values, refs):
-    worst = 0.0
-    for value, ref in zip(values, refs):
-        scale = ref.abs().max().item()
-        diff = (value - ref).abs().max().item()
-        worst = max(worst, diff / scale if scale else diff)
-    return worst
-
-
-def _full(tensor):
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 def tp_cases(impl):
@@ -146,7 +135,7 @@ def _train(fsdp, dp_mesh, tp_mesh, dp_rank, mp, meta=False):
     grad_rel = _fit(model, ref, dp_rank, grads=True)
     params = {name: _full(p).detach() for name, p in zip(names, model.parameters())}
     return {
-        "ref_rel": _max_rel(list(params.values()), [r.detach() for r in ref.parameters()]),
+        "ref_rel": max_rel(list(params.values()), [r.detach() for r in ref.parameters()]),
         "grad_rel": grad_rel,
         "params": {name: p.double().flatten().tolist() for name, p in params.items()},
         "placements": placements,
@@ -168,7 +157,7 @@ def _train_fsdp1(FSDP, wrap_policy, dp_mesh, tp_mesh, dp_rank):
     # when the context ends (resized to 0 bytes; reading them after it faults).
     with FSDP.summon_full_params(wrapped, writeback=False):
         params = [_full(p).detach().double().clone() for p in wrapped.parameters()]
-    return {"ref_rel": _max_rel(params, [r.detach() for r in ref.parameters()]),
+    return {"ref_rel": max_rel(params, [r.detach() for r in ref.parameters()]),
             "params": {str(i): p.flatten().tolist() for i, p in enumerate(params)}}
 
 
@@ -189,7 +178,7 @@ def _fit(model, ref, dp_rank, grads):
             (model(x[mine]) - y[mine]).square().mean().div(MICRO).backward()
             (ref(x) - y).square().mean().div(MICRO).backward()
         if grads:
-            grad_rel = max(grad_rel, _max_rel([_full(p.grad).double()
+            grad_rel = max(grad_rel, max_rel([_full(p.grad).double()
                                                for p in model.parameters()],
                                               [r.grad for r in ref.parameters()]))
         opt.step()
@@ -303,7 +292,7 @@ def _train_spmd(fsdp, mesh, dims):
             mine = distribute_tensor(y, mesh, batch).to_local()
             (out.to_local() - mine).square().mean().div(MICRO).backward()
             (ref(x) - y).square().mean().div(MICRO).backward()
-        grad_rel = max(grad_rel, _max_rel([p.grad.full_tensor() for p in model.parameters()],
+        grad_rel = max(grad_rel, max_rel([p.grad.full_tensor() for p in model.parameters()],
                                           [r.grad for r in ref.parameters()]))
         opt.step()
         opt.zero_grad()
@@ -311,7 +300,7 @@ def _train_spmd(fsdp, mesh, dims):
         ref_opt.zero_grad()
     params = {name: p.full_tensor().detach() for name, p in model.named_parameters()}
     return {
-        "ref_rel": _max_rel(list(params.values()), [r.detach() for r in ref.parameters()]),
+        "ref_rel": max_rel(list(params.values()), [r.detach() for r in ref.parameters()]),
         "grad_rel": grad_rel,
         "params": {name: p.flatten().tolist() for name, p in params.items()},
         "placements": placements,
