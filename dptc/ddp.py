@@ -230,6 +230,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.require_forward_param_sync = True
         self.bucket_bytes_cap = self.bucket_policy.bucket_bytes
         self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        self._assign_modules_buffers()
 
         (params, names), (sparse_params, sparse_names) = self._parameters_to_reduce()
         self.device = _check_devices(params + sparse_params, device_ids, output_device)
@@ -337,6 +338,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         (params, names), (sparse_params, sparse_names) = self._parameters_to_reduce()
         codes = _reduced_codes(params, names)
         self._build_reducer(params, names, sparse_params, sparse_names, codes)
+        self._assign_modules_buffers()
 
     @property
     def process_group(self):
@@ -390,6 +392,14 @@ class DistributedDataParallel(nn.Module, Joinable):
     def _named_buffers(self):
         return [(name, buffer) for name, buffer in self.module.named_buffers()
                 if name not in self.parameters_to_ignore]
+
+    def _assign_modules_buffers(self):
+        """The buffers forward syncs, as torch's DDP keeps them: found at construction, and
+        found again before each sync (a module may reassign its buffers).  A module with no
+        buffers when wrapped is not walked again at each forward."""
+        named = self._named_buffers()
+        self.modules_buffers = [buffer for _, buffer in named]
+        self.named_module_buffers = dict(named)
 
     def _sync_module_states(self, broadcast_buffers, src=0):
         states = [(name, p) for name, p in self.module.named_parameters()
@@ -522,11 +532,12 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def will_sync_module_buffers(self):
         return (self.require_forward_param_sync and self.forward_sync_buffers
-                and any(True for _ in self._named_buffers()))
+                and len(self.modules_buffers) > 0)
 
     def _sync_buffers(self, src=0):
-        named = self._named_buffers()
-        buffers = [buffer for _, buffer in named]
+        self._assign_modules_buffers()
+        named = list(self.named_module_buffers.items())
+        buffers = self.modules_buffers
         preserve = getattr(torch.autograd, "_unsafe_preserve_version_counter", None)
         context = preserve(tuple(buffers)) if preserve else contextlib.nullcontext()
         with context:
@@ -537,7 +548,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         sync = self._pre_forward()
         with active_ddp_module(self):  # see [Note: torch.compile] in dptc/_compile.py
             output = self.module(*inputs, **kwargs)
-        self.require_forward_param_sync = sync
+        if self.require_forward_param_sync is not sync:  # nn.Module's __setattr__ is slow
+            self.require_forward_param_sync = sync
         if sync and not torch.compiler.is_compiling():
             self._expect_backward(output)
         return output
@@ -547,7 +559,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         on itself, the outermost backward (see [Note: where finalize runs] in
         csrc/reducer.c): a pre-hook on the grad_fn of every output tensor."""
         expect = self._reducer._expect_finalize
-        for leaf in pytree.tree_leaves(output):
+        leaves = (output,) if isinstance(output, torch.Tensor) else pytree.tree_leaves(output)
+        for leaf in leaves:
             if isinstance(leaf, torch.Tensor) and leaf.grad_fn is not None:
                 leaf.grad_fn.register_prehook(expect)
 
@@ -623,6 +636,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         return self._group
 
     def _wait_join_works(self):
+        if not self._join_works:  # every step outside join(): no attribute set
+            return
         works, self._join_works = self._join_works, []
         for work in works:
             work.wait()

@@ -290,6 +290,22 @@ def test_buffer_broadcasts_follow_torchs_arguments(impl):
     assert not problems, "\n".join(problems)
 
 
+def test_buffers_changed_after_wrapping_as_torchs():
+    """As torch's DDP: the buffers found at construction decide whether forward syncs any; a
+    module that had some has them found again before each sync (a replaced running_var, a
+    buffer registered since), and one that had none is not walked at each forward, so a
+    buffer registered on it later stays per rank."""
+    mine = run_ranks("tests.workers_ddp:buffers_after_wrapping", 2, args={"impl": "dptc"},
+                     timeout=LAUNCH_TIMEOUT_S)
+    theirs = run_ranks("tests.workers_ddp:buffers_after_wrapping", 2, args={"impl": "torch"},
+                       timeout=LAUNCH_TIMEOUT_S, reference=True)
+    for rank, (result, reference) in enumerate(zip(mine, theirs)):
+        expected = {"counts": [3, 0], "replaced": 10.0, "added": 10.0,
+                    "added_unbuffered": 10.0 + rank, "counts_after": [4, 0]}
+        assert result == expected, (rank, result)
+        assert reference == expected, (rank, "torch", reference)
+
+
 def test_deepcopy_and_pickle_as_torchs():
     """copy.deepcopy(ddp) (an EMA copy) and torch.save/torch.load of a wrapper give wrappers
     that train over the default group on their own, 2 ranks: after the same 3 steps every

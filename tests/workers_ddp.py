@@ -726,6 +726,32 @@ def buffer_sync_cases(impl):
     return results
 
 
+def buffers_after_wrapping(impl):
+    """Buffers changed after construction, each set to 10 + rank before an eval forward:
+    a BatchNorm1d's running_var replaced by a new tensor, a buffer registered on it, and a
+    buffer registered on a Linear that had none when wrapped.  Returns each one's first value
+    on this rank after the forward (10 where rank 0's was broadcast) and the wrapper's
+    modules_buffers count."""
+    rank = int(os.environ["RANK"])
+    _start(impl, init_torch=False)
+    wrapper = _wrapper_class(impl)
+    norm, linear = nn.BatchNorm1d(2), nn.Linear(2, 2)
+    with_buffers, without = wrapper(norm), wrapper(linear)
+    results = {"counts": [len(with_buffers.modules_buffers), len(without.modules_buffers)]}
+    norm.running_var = torch.full((2,), 10.0 + rank)
+    norm.register_buffer("added", torch.full((1,), 10.0 + rank))
+    linear.register_buffer("added", torch.full((1,), 10.0 + rank))
+    with torch.no_grad():
+        with_buffers.eval()(torch.zeros(3, 2))
+        without(torch.zeros(3, 2))
+    results.update(replaced=norm.running_var[0].item(), added=norm.added.item(),
+                   added_unbuffered=linear.added.item(),
+                   counts_after=[len(with_buffers.modules_buffers),
+                                 len(without.modules_buffers)])
+    _finish(impl)
+    return results
+
+
 def copied_wrappers(impl):
     """copy.deepcopy of a DDP wrapper (an EMA copy) and a torch.save / torch.load round trip
     of one: each copy trains as a DDP of its own (3 SGD steps on rank-dependent data) next to
