@@ -323,14 +323,17 @@ def main(argv=None):
                          dtype=torch.float64)
     dist.all_reduce(drift, op=dist.ReduceOp.MAX)
 
-    # dptc's reducer counts the time its end-of-backward callback waits (the last buckets'
-    # all-reduce plus the ranks' skew); per step, on the rank that waits longest.
-    wait_ms = None
+    # dptc's reducer times its end-of-backward callback: the buckets it runs on the calling
+    # thread (without overlap, see [Note: overlap] in csrc/reducer.c), the ranks' skew there,
+    # and its wait for buckets launched earlier; per step, on the rank where it took longest.
+    callback_ms = wait_ms = None
     if args.impl == "dptc":
         stats = test_ddp._reducer_stats()
-        wait = torch.tensor([stats["wait_seconds"] / max(stats["steps"], 1)], dtype=torch.float64)
-        dist.all_reduce(wait, op=dist.ReduceOp.MAX)
-        wait_ms = wait.item() * 1e3
+        steps = max(stats["steps"], 1)
+        times = torch.tensor([stats["finalize_seconds"] / steps, stats["wait_seconds"] / steps],
+                             dtype=torch.float64)
+        dist.all_reduce(times, op=dist.ReduceOp.MAX)
+        callback_ms, wait_ms = (t * 1e3 for t in times.tolist())
 
     compute = medians["compute"]
     hidden = {side: hidden_share(medians[f"{side} DDP"], compute, medians[f"{side} comm"])
@@ -363,9 +366,10 @@ def main(argv=None):
         print(f"scaling efficiency compute / {label} DDP: "
               f"{compute / medians[f'{label} DDP']:.3f} (of the medians), "
               f"{paired:.3f} (median over turns)")
-        if wait_ms is not None:
-            print(f"dptc end-of-backward wait: {wait_ms:.2f} ms per step (rank that waits "
-                  f"longest, every phase's steps)")
+        if callback_ms is not None:
+            print(f"dptc end-of-backward callback: {callback_ms:.2f} ms per step, waiting "
+                  f"{wait_ms:.2f} ms of it (mean over the DDP phase's steps; the rank where "
+                  f"each took longest)")
         print("hidden share = 1 - (ddp_step - compute_step) / comm_time, clipped to [0, 1]")
         for side in ("torch", label):
             step, comm = medians[f"{side} DDP"], medians[f"{side} comm"]

@@ -301,7 +301,9 @@ struct ReducerObject {
     long long launched_in_backward;
     long long launched_at_end;
     long long launched_in_place;  /* over gradients where they are: [Note: gradients in place] */
-    double wait_seconds;
+    double wait_seconds;          /* in the end-of-backward wait */
+    double finalize_seconds;      /* in the end-of-backward callback, the wait and the
+                                     buckets it runs on the calling thread included */
 };
 
 /* ------------------------------------------------------------------ */
@@ -1943,7 +1945,9 @@ static PyObject *reducer_finalize(PyObject *op, PyObject *Py_UNUSED(ignored))
         dptc_error err = {{0}};
         return step_fail(r, DPTC_ERR_PYTHON, &err);
     }
+    double start = dptc_now();
     PyObject *result = finalize_step(r);
+    r->finalize_seconds += dptc_now() - start;
     if (dptc_range_close(st, &range) != DPTC_OK)
         Py_CLEAR(result);
     return result;
@@ -1971,11 +1975,11 @@ static PyObject *reducer_get_observed_order(PyObject *op, void *Py_UNUSED(closur
 static PyObject *reducer_get_stats(PyObject *op, void *Py_UNUSED(closure))
 {
     ReducerObject *r = (ReducerObject *)op;
-    return Py_BuildValue("{s:L,s:n,s:L,s:L,s:L,s:d,s:i}", "steps", r->steps, "buckets",
+    return Py_BuildValue("{s:L,s:n,s:L,s:L,s:L,s:d,s:d,s:i}", "steps", r->steps, "buckets",
                          r->nbuckets, "launched_in_backward", r->launched_in_backward,
                          "launched_at_end", r->launched_at_end, "launched_in_place",
-                         r->launched_in_place, "wait_seconds", r->wait_seconds, "comm_mode",
-                         (int)r->comm);
+                         r->launched_in_place, "wait_seconds", r->wait_seconds,
+                         "finalize_seconds", r->finalize_seconds, "comm_mode", (int)r->comm);
 }
 
 static PyObject *reducer_get_state(PyObject *op, void *Py_UNUSED(closure))

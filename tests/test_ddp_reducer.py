@@ -73,6 +73,9 @@ def test_buckets_launch_during_backward(overlap):
         assert stats["launched_at_end"] == (0 if during else 13), stats
         # Contiguous gradients are reduced where they are ([Note: gradients in place]).
         assert stats["launched_in_place"] == 13, stats
+        # The callback's time holds its wait; without overlap it runs the buckets itself.
+        assert 0 <= stats["wait_seconds"] <= stats["finalize_seconds"], stats
+        assert during or stats["finalize_seconds"] > 0, stats
         # Either way the same numbers: every rank ends with rank-averaged gradients.
         assert stats["grad_rel_diff"] <= 1e-6, stats
 
