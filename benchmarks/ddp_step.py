@@ -41,7 +41,9 @@ hidden behind backward is
 scaling efficiency, compute / dptc DDP, is printed from the two medians and as the median over
 turns of each turn's ratio: a turn's two steps run next to each other, so when the machine
 speeds up or slows down during the run (the compute step moved between 60 and 78 ms from one
-run to the next on the development machine) the change cancels within a turn.
+run to the next on the development machine) the change cancels within a turn.  Next to it,
+compute / (compute + dptc comm): the efficiency of a step that added its all-reduce and
+nothing else, which is what a rank with no core to spare for communication can reach.
 """
 
 import argparse
@@ -361,11 +363,13 @@ def main(argv=None):
             print(f"{name:>14}  {seconds * 1e3:9.2f} ms")
         print(f"step time ratio torch DDP / {label} DDP: {ratio:.2f}")
         excess = medians[f"{label} DDP"] - compute
+        bound = compute / (compute + medians[f"{label} comm"])
         print(f"{label} DDP over compute: {excess * 1e3:.2f} ms = "
               f"{excess / medians[f'{label} comm']:.2f} x {label} comm")
         print(f"scaling efficiency compute / {label} DDP: "
               f"{compute / medians[f'{label} DDP']:.3f} (of the medians), "
-              f"{paired:.3f} (median over turns)")
+              f"{paired:.3f} (median over turns); {bound:.3f} if the step added only "
+              f"{label} comm")
         if callback_ms is not None:
             print(f"dptc end-of-backward callback: {callback_ms:.2f} ms per step, waiting "
                   f"{wait_ms:.2f} ms of it (mean over the DDP phase's steps; the rank where "
