@@ -435,6 +435,31 @@ class FullyShardedDataParallel(nn.Module):
 
     # -- the module -----------------------------------------------------------------------------
 
+    # See [Note: copies of a sharded module] in _fully_shard.py.  Defined here, not
+    # forwarded to the wrapped module by __getattr__, so both raise torch's FSDP1's TypeError.
+    def __deepcopy__(self, memo):
+        raise TypeError(
+            "copy.deepcopy of a FullyShardedDataParallel is not supported, as with torch's "
+            "(TypeError there too: \"cannot pickle 'module' object\"): its parameters are "
+            "shards whose buffers, hooks and communication state belong to this instance. "
+            "Copy the module before wrapping it and wrap the copy the same way (ema = "
+            "copy.deepcopy(module), then FullyShardedDataParallel(ema, ...)), or build and "
+            "wrap a second model the same way and load this one's state: "
+            "second.load_state_dict(model.state_dict())")
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(
+            "a FullyShardedDataParallel cannot be pickled (torch.save of the whole model), as "
+            "with torch's (TypeError there too: \"cannot pickle 'module' object\"). Save its "
+            "state dict instead: with FullyShardedDataParallel.state_dict_type(model, "
+            "StateDictType.FULL_STATE_DICT, FullStateDictConfig(offload_to_cpu=True, "
+            "rank0_only=True)): torch.save(model.state_dict(), path), or "
+            "torch.distributed.checkpoint; load it into a model built and wrapped the same way")
+
+    def __copy__(self):
+        import copy
+        return copy._reconstruct(self, None, *object.__reduce_ex__(self, 4))
+
     @property
     def module(self):
         """The wrapped module."""

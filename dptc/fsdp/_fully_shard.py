@@ -54,6 +54,41 @@ class FSDPModule(_TorchFSDPModule):
     def _fsdp_state(self):
         return self.__dict__["_dptc_fsdp_state"]
 
+    # [Note: copies of a sharded module]
+    # torch 2.13's fully_shard refuses copy.deepcopy (an AssertionError from the
+    # __deepcopy__ it gives every FSDP<Name> class) and torch.save of the whole model fails
+    # (pickle finds no FSDP<Name> class by its name: PicklingError); its FSDP1 fails both
+    # with TypeError ("cannot pickle 'module' object").  dptc raises the same types, naming
+    # the remedy.  A copy that trains would need what fully_shard makes, agreed by every
+    # rank: shard buffers of its own (in shared memory on one node), units of its own in C
+    # and hooks on its own modules; so the remedy is the copy users already make for
+    # torch's wrappers, taken before sharding (or a second model loaded from the state
+    # dict), then sharded the same way.  copy.copy keeps object's reduction, as under torch.
+    def __deepcopy__(self, memo):
+        raise AssertionError(
+            f"copy.deepcopy of a fully_shard-ed {_class_name(self)} is not supported, as "
+            f"with torch's fully_shard (AssertionError there too): its parameters are shards "
+            f"whose buffers, hooks and communication state belong to this model. Copy the "
+            f"model before fully_shard and apply fully_shard to the copy the same way (ema = "
+            f"copy.deepcopy(model) before sharding; EMA updates then run shard by shard on "
+            f"the DTensor parameters), or build and shard a second model the same way and "
+            f"load this one's state: second.load_state_dict(model.state_dict())")
+
+    def __reduce_ex__(self, protocol):
+        import pickle
+        raise pickle.PicklingError(
+            f"a fully_shard-ed {_class_name(self)} cannot be pickled (torch.save of the whole "
+            f"model), as with torch's fully_shard (PicklingError there too: its FSDP<Name> "
+            f"class cannot be found by name). Save the state instead: "
+            f"torch.distributed.checkpoint (dcp.save(get_model_state_dict(model), "
+            f"checkpoint_id=...)), or a full state dict: torch.save(get_model_state_dict("
+            f"model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)), "
+            f"path) on rank 0, loaded into a model built and sharded the same way")
+
+    def __copy__(self):
+        import copy
+        return copy._reconstruct(self, None, *object.__reduce_ex__(self, 4))
+
     def _subtree_states(self):
         states = {}
         for m in self.modules():
