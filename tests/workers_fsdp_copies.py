@@ -8,8 +8,9 @@ torch 2.13 refuses ``copy.deepcopy`` of a sharded model and ``torch.save`` of th
 (see [Note: copies of a sharded module] in dptc/fsdp/_fully_shard.py), so a case records what
 each raises (before the first forward and after training, also for a model whose root alone is
 sharded without resharding after forward), then makes the copies the error messages name:
-- ``ema``: a copy taken before sharding and sharded the same way, updated after every step
-  with ``lerp_`` over the (DTensor) parameters, and evaluated at the end;
+- ``ema``: torch's ``AveragedModel`` (an EMA, ``get_ema_multi_avg_fn``) made before sharding,
+  its ``module`` sharded the same way, updated after every step with ``update_parameters``
+  (a ``lerp_`` over the DTensor parameters), and evaluated at the end;
 - ``best``: a second model built and sharded the same way, loaded from the trained model's
   ``state_dict()`` after PRE steps, then trained beside it (a step of one, then a step of the
   other, each with a fresh AdamW) for POST steps.
@@ -32,7 +33,8 @@ __all__ = ["copies_case"]
 PRE = 2
 POST = 3
 LR = 1e-3
-EMA = 0.25          # the weight lerp_ gives the model's parameters
+HOW = ("deepcopy", "save", "averaged")
+EMA = 0.25          # the weight each EMA update gives the model's parameters
 
 
 def _fsdp1_class(impl):
@@ -74,10 +76,10 @@ def _step(model, opt, x, y, kind):
     opt.zero_grad()
 
 
-@torch.no_grad()
-def _ema_update(ema, model):
-    for e, p in zip(ema.parameters(), model.parameters()):
-        e.lerp_(p, EMA)
+def _averaged(model):
+    """torch's EMA helper over a copy of the model (AveragedModel deep-copies it)."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+    return AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(1 - EMA))
 
 
 def _full_params(impl, kind, model):
@@ -100,10 +102,13 @@ def _shared_storages(a, b):
 
 
 def _raised(model, how):
-    """[type name, message] of what copying ``model`` raised, or None."""
+    """[type name, message] of what copying ``model`` raised (copy.deepcopy, torch.save, or
+    AveragedModel, which deep-copies it), or None."""
     try:
         if how == "deepcopy":
             copy.deepcopy(model)
+        elif how == "averaged":
+            _averaged(model)
         else:
             torch.save(model, io.BytesIO())
     except Exception as error:  # noqa: BLE001 - what torch raises is the result
@@ -123,14 +128,14 @@ def copies_case(impl, kind):
     raised = {}
     if kind == "fully_shard":
         root_only = _shard(impl, kind, _build("gpt", torch.float64), root_only=True)
-        raised["root_only"] = [_raised(root_only, how) for how in ("deepcopy", "save")]
+        raised["root_only"] = [_raised(root_only, how) for how in HOW]
     model = _build("gpt", torch.float64)
-    ema = copy.deepcopy(model)
+    ema = _averaged(model)
     ref = _build("gpt", torch.float64)
-    ref_ema = copy.deepcopy(ref)
+    ref_ema = _averaged(ref)
     model = _shard(impl, kind, model)
-    ema = _shard(impl, kind, ema)
-    raised["before_forward"] = [_raised(model, how) for how in ("deepcopy", "save")]
+    ema.module = _shard(impl, kind, ema.module)
+    raised["before_forward"] = [_raised(model, how) for how in HOW]
     generator = torch.Generator().manual_seed(SEED + 1)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
@@ -138,9 +143,9 @@ def copies_case(impl, kind):
         x, y = _batch(world, generator)
         _step(model, opt, x[mine], y[mine], kind)
         _step(ref, ref_opt, x, y, kind)
-        _ema_update(ema, model)
-        _ema_update(ref_ema, ref)
-    raised["trained"] = [_raised(model, how) for how in ("deepcopy", "save")]
+        ema.update_parameters(model)
+        ref_ema.update_parameters(ref)
+    raised["trained"] = [_raised(model, how) for how in HOW]
     best = _shard(impl, kind, _build("gpt", torch.float64))
     best.load_state_dict(model.state_dict())
     loaded_rel = max_rel(_full_params(impl, kind, best), _full_params(impl, kind, model))
@@ -152,18 +157,19 @@ def copies_case(impl, kind):
         for m, o in zip(models, opts):
             _step(m, o, x[mine], y[mine], kind)
         _step(ref, ref_opt, x, y, kind)
-        _ema_update(ema, model)
-        _ema_update(ref_ema, ref)
+        ema.update_parameters(model)
+        ref_ema.update_parameters(ref)
     # Parameters that are DTensors, of best's and ema's (torch's FSDP1's: none), before the
     # evaluation leaves the root's gathered.
-    dtensors = [sum(isinstance(p, DTensor) for p in m.parameters()) for m in (best, ema)]
+    dtensors = [sum(isinstance(p, DTensor) for p in m.parameters())
+                for m in (best, ema.module)]
     x, y = _batch(world, generator)
     with torch.no_grad():
-        ema_loss = _gpt(ema).loss(ema(x[mine]), y[mine]).item()
-        ref_ema_loss = ref_ema.loss(ref_ema(x[mine]), y[mine]).item()
+        ema_loss = _gpt(ema.module).loss(ema(x[mine]), y[mine]).item()
+        ref_ema_loss = ref_ema.module.loss(ref_ema(x[mine]), y[mine]).item()
     ref_params = [p.detach() for p in ref.parameters()]
     full = {name: _full_params(impl, kind, m)
-            for name, m in (("model", model), ("best", best), ("ema", ema))}
+            for name, m in (("model", model), ("best", best), ("ema", ema.module))}
     result = {
         "raised": raised,
         "dtensors": dtensors,
@@ -172,9 +178,10 @@ def copies_case(impl, kind):
         "model_ref_rel": max_rel(full["model"], ref_params),
         "best_ref_rel": max_rel(full["best"], ref_params),
         "best_model_rel": max_rel(full["best"], full["model"]),
-        "ema_ref_rel": max_rel(full["ema"], [p.detach() for p in ref_ema.parameters()]),
+        "ema_ref_rel": max_rel(full["ema"],
+                               [p.detach() for p in ref_ema.module.parameters()]),
         "ema_loss": ema_loss, "ref_ema_loss": ref_ema_loss,
-        "shared": [_shared_storages(model, best), _shared_storages(model, ema)],
+        "shared": [_shared_storages(model, best), _shared_storages(model, ema.module)],
         "params": {name: [t.flatten().tolist() for t in params]
                    for name, params in full.items()},
     }

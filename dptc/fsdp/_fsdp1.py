@@ -443,7 +443,9 @@ class FullyShardedDataParallel(nn.Module):
             "(TypeError there too: \"cannot pickle 'module' object\"): its parameters are "
             "shards whose buffers, hooks and communication state belong to this instance. "
             "Copy the module before wrapping it and wrap the copy the same way (ema = "
-            "copy.deepcopy(module), then FullyShardedDataParallel(ema, ...)), or build and "
+            "copy.deepcopy(module), then FullyShardedDataParallel(ema, ...); or ema = "
+            "torch.optim.swa_utils.AveragedModel(module), then ema.module = "
+            "FullyShardedDataParallel(ema.module, ...)), or build and "
             "wrap a second model the same way and load this one's state: "
             "second.load_state_dict(model.state_dict())")
 

@@ -70,9 +70,11 @@ class FSDPModule(_TorchFSDPModule):
             f"with torch's fully_shard (AssertionError there too): its parameters are shards "
             f"whose buffers, hooks and communication state belong to this model. Copy the "
             f"model before fully_shard and apply fully_shard to the copy the same way (ema = "
-            f"copy.deepcopy(model) before sharding; EMA updates then run shard by shard on "
-            f"the DTensor parameters), or build and shard a second model the same way and "
-            f"load this one's state: second.load_state_dict(model.state_dict())")
+            f"copy.deepcopy(model) before sharding, or ema = torch.optim.swa_utils."
+            f"AveragedModel(model) before sharding and then fully_shard on ema.module; EMA "
+            f"updates then run shard by shard on the DTensor parameters), or build and shard "
+            f"a second model the same way and load this one's state: "
+            f"second.load_state_dict(model.state_dict())")
 
     def __reduce_ex__(self, protocol):
         import pickle
