@@ -1079,6 +1079,29 @@ static PyObject *group_slot(GroupObject *self, PyObject *const *args, Py_ssize_t
     return PyMemoryView_FromMemory(base, (Py_ssize_t)bytes, PyBUF_WRITE);
 }
 
+/* _fill_slots_between(sentinel) -> fills so far.  Tests only: see [Note:
+ * slots between collectives] in shm.c; sentinel a byte (0..255), -1 to
+ * stop, or None to only count the fills. */
+static PyObject *group_fill_slots_between(GroupObject *self, PyObject *arg)
+{
+    dptc_module_state *st;
+    dptc_group *g = open_shm_group(self, &st, "_fill_slots_between");
+    if (!g)
+        return NULL;
+    if (arg != Py_None) {
+        long sentinel = PyLong_AsLong(arg);
+        if (sentinel == -1 && PyErr_Occurred())
+            return NULL;
+        if (sentinel < -1 || sentinel > 255) {
+            PyErr_Format(PyExc_ValueError, "sentinel must be a byte (0 to 255), -1 or None, "
+                         "got %ld", sentinel);
+            return NULL;
+        }
+        dptc_shm_fill_slots_between(dptc_group_transport(g), (int)sentinel);
+    }
+    return PyLong_FromUnsignedLongLong(dptc_shm_sentinel_fills(dptc_group_transport(g)));
+}
+
 /* segment_path(): what local peers open to map this rank's segment (the
  * creator's memfd as /proc/<pid>/fd/<fd>), or None when peers open the
  * /dev/shm name they were given. */
@@ -1189,6 +1212,9 @@ static PyMethodDef group_methods[] = {
      "failure() -> None or str\n\nThe message of the group's failure, if it failed."},
     {"slot", (PyCFunction)(void (*)(void))group_slot, METH_FASTCALL,
      "slot(stream, local_rank) -> memoryview over that rank's staging buffers"},
+    {"_fill_slots_between", (PyCFunction)group_fill_slots_between, METH_O,
+     "_fill_slots_between(sentinel) -> int\n\nTests only: local rank 0 fills every slot "
+     "with the byte between collectives (-1 stops, None only counts); returns the fills."},
     {NULL, NULL, 0, NULL},
 };
 

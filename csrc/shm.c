@@ -22,7 +22,10 @@
  * with a single wait per round.  The large all-reduce adds a second step
  * inside its round (reduce, post, wait, gather); the same argument holds.
  * Rounds are counted across collectives, so a collective never needs a
- * closing barrier.
+ * closing barrier.  The price: a rank's return from a collective does not
+ * free its slots, as peers may still read its last round's buffer until
+ * they post their next step.  Only collectives write the slots (see [Note:
+ * slots between collectives]).
  *
  * [Note: waiting]
  * Ranks may outnumber cores.  A waiter spins for a few microseconds, then
@@ -152,6 +155,7 @@ typedef struct {
     staging_chooser choosers[STAGED_OPS];     /* local rank 0's, see [Note: staging] */
     _Atomic uint64_t staged[STAGED_OPS][2];   /* large collectives staged each way
                                                  (dptc_shm_stagings) */
+    _Atomic uint64_t sentinel_fills;          /* see [Note: slots between collectives] */
 } channel;
 
 struct shm_transport {
@@ -178,6 +182,9 @@ struct shm_transport {
     size_t all_reduce_round;      /* staged bytes per rank in a large all-reduce's
                                      round, see [Note: all-reduce rounds] */
     dptc_shm_staging staging;     /* DPTC_SHM_STAGING_AUTO, or the one to use always */
+    /* Tests only: the byte local rank 0 fills every slot with between two
+     * collectives, or -1; see [Note: slots between collectives]. */
+    _Atomic int sentinel;
 };
 
 /* ------------------------------------------------------------------ */
@@ -1558,12 +1565,42 @@ static dptc_status alone(const dptc_coll *c)
     return DPTC_OK;
 }
 
+/* [Note: slots between collectives]
+ * A collective reads a slot only after its owner wrote it in the same
+ * round (see [Note: rounds and steps]), so the slots hold nothing that one
+ * collective leaves for the next: what they contain between two
+ * collectives is garbage nobody reads.  tests/test_slots.py holds the
+ * transport to that.  With a sentinel set (dptc_shm_fill_slots_between),
+ * every collective on a stream opens with two extra steps: after the
+ * first, every local rank has finished the stream's previous collective
+ * (peers included, who may read this rank's slots until they post it), so
+ * local rank 0 overwrites every local rank's slots of the stream with the
+ * sentinel; after the second, every rank stages its own data as usual.  A
+ * result that depends on the sentinel is a slot read before its owner
+ * wrote it.  Other streams' slots are left alone: their collectives may be
+ * running. */
+static dptc_status fill_slots_between(channel *ch, const dptc_order *order, dptc_error *err)
+{
+    shm_transport *s = ch->s;
+    int sentinel = atomic_load_explicit(&s->sentinel, memory_order_relaxed);
+    if (sentinel < 0)
+        return DPTC_OK;
+    CHECK(step(ch, order->deadline, err));
+    if (s->local_rank == 0)
+        memset(ch->slots, sentinel, (size_t)s->local_size * s->region);
+    CHECK(step(ch, order->deadline, err));
+    atomic_fetch_add_explicit(&ch->sentinel_fills, 1, memory_order_relaxed);
+    return DPTC_OK;
+}
+
 static dptc_status run(dptc_transport *t, const dptc_order *order, const dptc_coll *c,
                        dptc_completion *done, algorithm how, dptc_error *err)
 {
     /* Complete on return: see [Note: completions] in transport.h. */
     done->wait = NULL;
     channel *ch = &((shm_transport *)t)->channels[order->stream];
+    if (ch->s->local_size > 1 || ch->s->nnodes > 1)
+        CHECK(fill_slots_between(ch, order, err));
     CHECK(prologue(ch, c, order, err));
     if (ch->s->local_size == 1 && ch->s->nnodes == 1)
         return alone(c);
@@ -1725,6 +1762,21 @@ void dptc_shm_stagings(dptc_transport *t, int stream, dptc_op op, uint64_t count
                                          memory_order_relaxed);
 }
 
+void dptc_shm_fill_slots_between(dptc_transport *t, int sentinel)
+{
+    shm_transport *s = (shm_transport *)t;
+    atomic_store(&s->sentinel, sentinel < 0 ? -1 : sentinel & 0xff);
+}
+
+uint64_t dptc_shm_sentinel_fills(dptc_transport *t)
+{
+    shm_transport *s = (shm_transport *)t;
+    uint64_t fills = 0;
+    for (int k = 0; k < s->nstreams; k++)
+        fills += atomic_load(&s->channels[k].sentinel_fills);
+    return fills;
+}
+
 void *dptc_shm_slot(dptc_transport *t, int stream, int local, size_t *bytes)
 {
     shm_transport *s = (shm_transport *)t;
@@ -1748,6 +1800,7 @@ static dptc_status shm_open_transport(const dptc_group_config *cfg, dptc_transpo
         return dptc_fail(err, DPTC_ERR_NOMEM, "out of memory");
     s->base.ops = &dptc_shm_transport;
     s->fd = -1;
+    atomic_init(&s->sentinel, -1);
     pthread_mutex_init(&s->shared_lock, NULL);
     s->local_rank = cfg->local_rank;
     s->local_size = cfg->local_size;

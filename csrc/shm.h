@@ -40,6 +40,14 @@ dptc_status dptc_shm_failure(dptc_transport *t, dptc_error *err);
  * way so far, indexed by dptc_shm_staging (cached, streamed); zeros for
  * other ops and out of range. */
 void dptc_shm_stagings(dptc_transport *t, int stream, dptc_op op, uint64_t counts[2]);
+/* Tests only: from the next collective on, local rank 0 fills every
+ * local rank's slots of a stream with the byte `sentinel` between any two
+ * collectives on it (-1: no more); every local rank of the node must set
+ * the same before the group's first collective, as the fills add steps.
+ * See [Note: slots between collectives] in shm.c. */
+void dptc_shm_fill_slots_between(dptc_transport *t, int sentinel);
+/* Tests only: the fills so far, summed over the streams. */
+uint64_t dptc_shm_sentinel_fills(dptc_transport *t);
 /* Base address and size of the staging slots of local rank `local` on
  * `stream` (the bridge wraps these in tensors); NULL when out of range. */
 void *dptc_shm_slot(dptc_transport *t, int stream, int local, size_t *bytes);
