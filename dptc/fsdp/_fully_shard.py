@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from ..group import default_group, resolve
+from ..group import default_group, new_group, resolve
 from ._api import MixedPrecisionPolicy, OffloadPolicy
 from ._state import State
 from ._unit import SpmdLayout, Unit
@@ -523,32 +523,40 @@ def _check_spmd_param(param, where, mesh, dp_mesh_dims):
                          f"contiguous before fully_shard")
 
 
-_blocks_meshes = {}     # (world group, device type, mesh ranks, k) -> mesh of blocks of k
+_blocks = {}     # (world group, members) -> dptc group of one block, see _block_group
 
 
 def _group_of_one(device_type):
-    """This rank's group of one, from the mesh over the whole world: every rank makes every
-    group in the same order (a collective), which a mesh that is not the world's (an SPMD
-    mesh without the pipeline dim, a submesh) would not give, its ranks differing by rank."""
-    mesh = _default_mesh.get(device_type)
-    if mesh is None or mesh.size() != dist.get_world_size():
-        mesh = _default_mesh[device_type] = init_device_mesh(device_type,
-                                                             (dist.get_world_size(),))
-    return _blocks_group(mesh, 1)
+    """This rank's group of one (see _block_group: no other rank takes part)."""
+    return _block_group([dist.get_rank()])
 
 
 def _blocks_group(mesh, k):
     """reshard_after_forward=k: the dptc group of this rank's block of k consecutive ranks of
     mesh, its ranks viewed as (-1, k), as torch's fully_shard makes it (see [Note:
-    resharding to a smaller group] in _unit.py).  The mesh of blocks is made once per mesh
-    and k (every rank makes it, in the same order: a collective), so that the units of one
-    model share its groups."""
-    ranks = mesh.mesh.reshape(-1, k)
-    key = (id(default_group()), mesh.device_type, tuple(ranks.flatten().tolist()), k)
-    blocks = _blocks_meshes.get(key)
-    if blocks is None:
-        blocks = _blocks_meshes[key] = DeviceMesh(mesh.device_type, ranks)
-    return resolve(blocks.get_group(1), "reshard_after_forward")
+    resharding to a smaller group] in _unit.py)."""
+    rows = mesh.mesh.reshape(-1, k).tolist()
+    me = dist.get_rank()
+    return _block_group(next(row for row in rows if me in row))
+
+
+def _block_group(members):
+    """The dptc group of `members` (global ranks, this rank among them), made once per
+    default group so that the units of one model share it.  [Note: blocks meet locally]
+    Only the members make it, meeting under their own ranks (dptc.new_group with
+    use_local_synchronization=True): no world-wide collective, whose calls every rank would
+    have to make alike.  A mesh torch's fully_shard is given may differ between ranks (a
+    submesh: mesh["dp_shard"] of a (dp_shard, tp) mesh is [0, 2, 4, 6] on rank 0 and [1, 3,
+    5, 7] on rank 1; a pipeline stage's data-parallel mesh), and a DeviceMesh over each
+    rank's own blocks made torch groups in the same order but over other ranks: the groups
+    numbered alike were [0, 2] on ranks 0 and 2 and [1, 3] on ranks 1 and 3, and ranks met
+    the wrong peers (a shared segment of the wrong size) or waited in gloo's rendezvous."""
+    world = default_group()
+    key = (id(world), tuple(sorted(members)))
+    group = _blocks.get(key)
+    if group is None or group._c.closed:
+        group = _blocks[key] = new_group(sorted(members), use_local_synchronization=True)
+    return group
 
 
 def _owned_modules(module):
