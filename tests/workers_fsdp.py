@@ -647,9 +647,13 @@ def staging_case(impl):
     touched, gather_touched = [], []
     for _ in range(2):
         x, y = _batch("gpt", 0, 0, world, generator)
+        # A peer may still read this rank's slots in the collective it last finished: the
+        # barrier lets every rank finish before the slots are marked.
+        dptc.barrier()
         gather_slot[:] = b"\xab" * len(gather_slot)
         loss = _loss(model, "gpt", x[mine], y[mine])
         gather_touched.append(len(gather_slot) - bytes(gather_slot).count(b"\xab"))
+        dptc.barrier()
         slot[:] = b"\xab" * len(slot)
         loss.backward()
         touched.append(len(slot) - bytes(slot).count(b"\xab"))
