@@ -146,6 +146,7 @@ typedef struct {
     PyObject *errors;     /* exceptions the cross-node bridge raised (list) */
     int rank, size;
     int shm;              /* the shared-memory transport (else NCCL's) */
+    pid_t pid;            /* the process that made it; see [Note: forked children] */
 } GroupObject;
 
 /* Raises the exception for a status of group `self`: the bridge's own
@@ -649,6 +650,7 @@ static PyObject *group_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     self->rank = cfg.rank;
     self->size = cfg.size;
     self->shm = transport == &dptc_shm_transport;
+    self->pid = getpid();
     return (PyObject *)self;
 fail:
     PyMem_Free(global_ranks);
@@ -656,11 +658,21 @@ fail:
     return NULL;
 }
 
+/* [Note: forked children]
+ * A process forked from a rank (a DataLoader worker, a script's os.fork())
+ * holds a copy of the rank's groups, but is no member: the engine's threads
+ * were not copied, the segment's records and the communicator are the
+ * rank's.  Closing the copy there (its interpreter's exit, atexit's
+ * destroy_process_group) must leave the group alone: destroying it would mark
+ * the rank's records left ([Note: a rank that leaves] in shm.c), so the
+ * rank's node peers would fail while it still trains, and would join threads
+ * the child does not have.  The child only forgets its copy (its memory goes
+ * with the child). */
 static void group_close_now(GroupObject *self)
 {
     dptc_group *g = self->group;
     self->group = NULL;
-    if (!g)
+    if (!g || self->pid != getpid())
         return;
     Py_BEGIN_ALLOW_THREADS
     dptc_group_destroy(g);

@@ -56,6 +56,7 @@ STAGINGS = {"auto": 2, "cached": 0, "streamed": 1}
 _default = None
 _generation = 0
 _owns_torch_group = False
+_owner_pid = None          # the process that set dptc up (see _forked_child)
 _world_nodes = None        # node index of every global rank
 _new_groups = 0            # dptc.new_group calls so far (names their store prefixes)
 _local_groups = {}         # members -> new_group(use_local_synchronization=True) calls
@@ -614,7 +615,7 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
     torch.distributed group it builds on).  ``timeout`` (seconds or timedelta;
     default $DPTC_TIMEOUT or 300 s) bounds every wait.
     """
-    global _default, _generation, _world_nodes
+    global _default, _generation, _world_nodes, _owner_pid
     if _default is not None:
         if dist.is_initialized():
             return _default
@@ -639,6 +640,7 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
     _default = _make_group(dist.PrefixStore("world/", prefix_store), list(range(size)),
                            seconds, dist.group.WORLD)
     _default._prefix_store = prefix_store
+    _owner_pid = os.getpid()
     logger.info("dptc process group: rank %d of %d, node %d of %d, local rank %d of %d",
                 rank, size, _default.node, _default.nnodes, _default.local_rank,
                 _default.local_size)
@@ -771,8 +773,17 @@ def destroy_process_group(group=None):
     _default = None
 
 
+def _forked_child():
+    """Whether this process is a fork of the rank that set dptc up (a DataLoader worker, a
+    script's os.fork()): the groups, dptc's and torch's, are the rank's, and the child's exit
+    must neither close nor abort them ([Note: forked children] in csrc/module.c)."""
+    return _owner_pid is not None and _owner_pid != os.getpid()
+
+
 def _shutdown():
     global _owns_torch_group
+    if _forked_child():
+        return
     destroy_process_group()
     if _owns_torch_group and dist.is_initialized():
         dist.destroy_process_group()
@@ -792,7 +803,7 @@ def _abort_on_uncaught(exc_type, exc, traceback):
     """A rank that stops with an uncaught exception aborts its groups first, so its peers
     raise PeerLostError at once (naming this rank and the exception) instead of when its
     process has finished exiting, which takes seconds with torch loaded."""
-    if _default is not None:
+    if _default is not None and not _forked_child():
         text = f"{exc_type.__name__}: {exc}"
         if len(text) > 200:
             text = text[:197] + "..."

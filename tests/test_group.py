@@ -60,6 +60,18 @@ def test_reinit_after_torch_destroy():
         assert sums == [[3.0, 1, True]] * 3, (rank, sums)
 
 
+@pytest.mark.parametrize("how", ["destroy", "exit", "raise"])
+def test_a_forked_child_leaving_leaves_the_group_alone(how):
+    # Before [Note: forked children] (csrc/module.c), the child's destroy marked rank 0's
+    # records left, so rank 1 raised PeerLostError ("global rank 0 ... closed the group") at the
+    # second all_reduce; at exit the child also destroyed torch's gloo group, which aborted
+    # (SIGABRT) or hung it, and an uncaught exception in it aborted the parent's group.
+    results = run_ranks("tests.workers_group:forked_child_leaves", 2, args={"how": how},
+                        timeout=90)
+    assert results[0] == {"sums": [2.0, 3.0], "child": 0}, results
+    assert results[1] == {"sums": [2.0, 3.0]}, results
+
+
 def test_work_wait_accepts_timedelta():
     results = run_ranks("tests.workers_group:wait_with_timedelta", 2, timeout=60)
     assert results == [[True, True, 2.0]] * 2

@@ -81,3 +81,49 @@ def reinit_after_torch_destroy():
         sums.append([t[0].item(), box[0], dist.is_initialized()])
         dist.destroy_process_group()
     return sums
+
+
+def forked_child_leaves(how: str):
+    """Rank 0 forks a child that leaves as `how` says, while the group trains on: "destroy"
+    (dptc.destroy_process_group), "exit" (the interpreter's exit handlers) or "raise" (an
+    uncaught exception, then the exit handlers).  The child is no member: the group must go on
+    as if it never existed ([Note: forked children] in csrc/module.c).  Returns both
+    all-reduce sums and, on rank 0, the child's exit status."""
+    import atexit
+    import sys
+    import dptc
+    rank = dptc.get_rank()
+    t = torch.ones(8)
+    dptc.all_reduce(t)
+    result = {"sums": [t[0].item()]}
+    if rank == 0:
+        pid = os.fork()
+        if pid == 0:   # the child: never returns into the harness's code
+            try:
+                if how == "destroy":
+                    dptc.destroy_process_group()
+                elif how == "raise":
+                    try:
+                        raise RuntimeError("the forked child failed")
+                    except RuntimeError:
+                        sys.excepthook(*sys.exc_info())
+                if how in ("exit", "raise"):
+                    atexit._run_exitfuncs()
+            finally:
+                os._exit(0)
+        deadline = time.monotonic() + 30
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                result["child"] = os.waitstatus_to_exitcode(status)
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+                result["child"] = "hung for 30 s"
+                break
+            time.sleep(0.02)
+    t = torch.full((8,), float(rank + 1))
+    dptc.all_reduce(t)
+    result["sums"].append(t[0].item())
+    return result
