@@ -6,8 +6,9 @@ test file) and run.
 It forks one-node groups of 2 and 3 rank processes; each rank drives both
 streams from two threads at once (blocking and asynchronous collectives of
 every kind, shared buffers made and used concurrently), aborts the group from
-a third thread while the streams are busy, and destroys groups with works
-queued; see the file's header.  Every result is checked exactly.
+a third thread while the streams are busy, destroys groups with works
+queued, and has every rank but 0 leave a group that rank 0 goes on using;
+see the file's header.  Every result is checked exactly.
 tools/tsan.sh does the same from the command line.
 """
 

@@ -30,7 +30,11 @@
  *  5. opens group 2, checks it works, then blocks each stream with a local
  *     DPTC_OP_CALL (a gate) with works queued behind it and a blocking run
  *     waiting from another thread, and destroys the group: the queued works
- *     fail as destroyed, the gates complete, nothing hangs.
+ *     fail as destroyed, the gates complete, nothing hangs;
+ *  6. opens group 3 and runs one all-reduce; then every rank but 0 destroys
+ *     the group, tells rank 0 through the pipes and stays alive until rank 0
+ *     is done: rank 0's next all-reduce must fail as a lost peer that closed
+ *     the group ([Note: a rank that leaves] in shm.c), not time out.
  */
 #include <errno.h>
 #include <pthread.h>
@@ -1076,6 +1080,43 @@ static dptc_group *open_group(const links *l, int generation)
     return status == DPTC_OK ? g : NULL;
 }
 
+/* Phase 6; see the file's header. */
+static void leave_early(const links *l, dptc_group *g)
+{
+    spec sum = {.kind = KIND_ALL_REDUCE_SUM, .count = 1000, .salt = 4};
+    op *o = op_new(&sum, NULL);
+    dptc_error err;
+    dptc_status status = run_op(g, 0, o, &err);
+    if (status == DPTC_OK)
+        verify(o, 0);
+    else
+        report("group 3: the all-reduce before leaving failed (%d): %s", (int)status,
+               err.message);
+    op_free(o);
+    unsigned char byte = 1;
+    if (my_rank != 0) {
+        dptc_group_destroy(g);
+        if (write_all(l->ack_out, &byte, 1) != 0 || read_all(l->path_in, &byte, 1) != 0)
+            report("group 3: the exchange with rank 0 failed");
+        return;
+    }
+    for (int r = 1; r < my_size; r++)
+        if (read_all(l->ack_in, &byte, 1) != 0)
+            report("group 3: a rank did not say it left");
+    o = op_new(&sum, NULL);
+    status = run_op(g, 0, o, &err);
+    if (status != DPTC_ERR_PEER_LOST || !strstr(err.message, "closed the group"))
+        report("group 3: the all-reduce after the others left returned %d: \"%s\"",
+               (int)status, status == DPTC_OK ? "" : err.message);
+    else
+        atomic_fetch_add(&checked, 1);
+    op_free(o);
+    for (int r = 1; r < my_size; r++)
+        if (write_all(l->path_out[r], &byte, 1) != 0)
+            report("group 3: telling rank %d it may go failed", r);
+    dptc_group_destroy(g);
+}
+
 static void start(pthread_t *thread, void *(*body)(void *), void *arg)
 {
     if (pthread_create(thread, NULL, body, arg) != 0) {
@@ -1145,6 +1186,11 @@ static int rank_main(const links *l, int ops)
         check_healthy(g2);
         destroy_behind_gates(g2);
     }
+
+    /* A new group that every rank but 0 leaves early. */
+    dptc_group *g3 = open_group(l, 3);
+    if (g3)
+        leave_early(l, g3);
     int n = atomic_load(&failures);
     printf("test_engine: %d ranks, rank %d: %ld collectives checked, aborted after %d and %d "
            "issued, %ld queued works failed by destroy, %d failures\n", my_size, my_rank,
