@@ -28,7 +28,7 @@ cd "$root"
 git ls-files -z --cached --others --exclude-standard >"$work/files"
 while IFS= read -r -d '' name; do
     if [ -e "$name" ]; then printf '%s\0' "$name"; fi
-done <"$work/files" | xargs -0 -r cp --parents -t "$tree"
+done <"$work/files" | xargs -0 -r cp -P --parents -t "$tree"
 git ls-files -z --cached >"$work/tracked"
 (cd "$tree" && git init -q && while IFS= read -r -d '' name; do
     if [ -e "$name" ]; then printf '%s\0' "$name"; fi
@@ -53,7 +53,8 @@ case $loaded in
     *) echo "sanitize.sh: python imports dptc._C from $loaded, not the instrumented build in" \
             "$tree" >&2; exit 1 ;;
 esac
-if ! nm -D --undefined-only "$loaded" | grep -q __asan_report; then
+symbols=$(nm -D --undefined-only "$loaded")   # not piped to grep -q: pipefail and SIGPIPE
+if [[ $symbols != *__asan_report* ]]; then
     echo "sanitize.sh: $loaded is not instrumented" >&2
     exit 1
 fi
@@ -81,13 +82,14 @@ if [ -n "$left" ]; then
     echo "sanitize.sh: the run left /dev/shm entries behind (now removed): $left" >&2
     status=1
 fi
-found=$(find "$reports" -type f | sort)
-if [ -n "$found" ]; then
-    for report in $found; do
-        echo "== $(basename "$report")" >&2
-        cat "$report" >&2
-    done
-    echo "sanitize.sh: $(echo "$found" | wc -l) sanitizer report(s) above" >&2
+count=0
+while IFS= read -r -d '' report; do
+    echo "== $(basename "$report")" >&2
+    cat "$report" >&2
+    count=$((count + 1))
+done < <(find "$reports" -type f -print0 | sort -z)
+if [ "$count" -gt 0 ]; then
+    echo "sanitize.sh: $count sanitizer report(s) above" >&2
     status=1
 fi
 [ "$status" -eq 0 ] && echo "sanitize.sh: clean"
