@@ -2,7 +2,8 @@
 # Builds tests/c/test_engine.c with csrc/engine.c, shm.c, reduce.c and common.c (no Python)
 # under ThreadSanitizer, then under AddressSanitizer with UBSan, and runs each: one-node groups
 # of 2 and 3 rank processes, both streams busy from two threads, shared buffers, abort from a
-# third thread, destroy with work queued.  Usage: tools/tsan.sh [ops_per_stream [deadline_s]]
+# third thread, destroy with work queued, ranks leaving a group rank 0 still uses.
+# Usage: tools/tsan.sh [ops_per_stream [deadline_s]]
 # Exits non-zero on any failed check or sanitizer report.  tests/test_engine_tsan.py runs
 # the same under pytest.
 set -euo pipefail
