@@ -1848,15 +1848,24 @@ static dptc_status shm_open_transport(const dptc_group_config *cfg, dptc_transpo
         s->header->version = SHM_VERSION;
         atomic_thread_fence(memory_order_release);
         s->header->magic = SHM_MAGIC;
-    } else if (s->header->magic != SHM_MAGIC || s->header->version != SHM_VERSION ||
-               s->header->local_size != (uint32_t)cfg->local_size ||
+    } else if (s->header->magic != SHM_MAGIC || s->header->version != SHM_VERSION) {
+        /* Apart from the group's shape below: a segment of another layout version (a
+         * node's ranks running different dptc builds) may match it in every field. */
+        status = dptc_fail(err, DPTC_ERR_SYSTEM,
+                           "shared segment %s has magic %x version %u, and this dptc build "
+                           "reads magic %x version %u: every rank of a node must run the same "
+                           "dptc build", cfg->shm_name, s->header->magic, s->header->version,
+                           SHM_MAGIC, SHM_VERSION);
+        goto fail;
+    } else if (s->header->local_size != (uint32_t)cfg->local_size ||
                s->header->nstreams != (uint32_t)cfg->nstreams ||
                s->header->slot_bytes != s->slot_bytes) {
         status = dptc_fail(err, DPTC_ERR_SYSTEM,
-                           "shared segment %s was not created for this group (magic %x, "
-                           "%u local ranks, %u streams, %llu slot bytes)", cfg->shm_name,
-                           s->header->magic, s->header->local_size, s->header->nstreams,
-                           (unsigned long long)s->header->slot_bytes);
+                           "shared segment %s was not created for this group (%u local "
+                           "ranks, %u streams, %llu slot bytes; this rank expects %d, %d, "
+                           "%zu)", cfg->shm_name, s->header->local_size, s->header->nstreams,
+                           (unsigned long long)s->header->slot_bytes, cfg->local_size,
+                           cfg->nstreams, s->slot_bytes);
         goto fail;
     }
     for (int k = 0; k < s->nstreams; k++) {

@@ -7,6 +7,7 @@ and monotonic timestamps, which the tests bound here.  dptc only: these are dptc
 csrc/module.c), not torch's.
 """
 
+import os
 import re
 
 import pytest
@@ -128,6 +129,51 @@ def test_ctrl_c_interrupts_a_stuck_collective(mode):
           f"PeerLostError on rank 1 {propagation:.3f} s after SIGINT")
     assert 0 <= latency < INTERRUPT_LATENCY_S, (latency, r0)
     assert 0 <= propagation < PROPAGATION_S, (propagation, r1)
+
+
+# ---------------------------------------------------------------------------------------------
+# A segment another dptc build made
+
+def test_a_segment_of_another_layout_version_is_refused_naming_both():
+    """A local rank that opens a segment whose layout version is not its build's (ranks of one
+    node running different dptc builds; SHM_VERSION went from 1 to 2 with [Note: a rank that
+    leaves] in csrc/shm.c) raises DistError naming both versions; a segment of another shape
+    names what it has and what this rank expects.
+
+    Old behaviour: both said "was not created for this group" with the segment's local ranks,
+    streams and slot bytes, which matched this rank's in the first case."""
+    import mmap
+    import struct
+    import dptc
+    from dptc import _C
+    creator = _C.Group(0, 2, 0, 2, 0, 1, "/dptc-test-version", True, 65536, 5.0, 1)
+    try:
+        path = creator.segment_path()
+        fd = os.open(path, os.O_RDWR)
+        try:
+            header = mmap.mmap(fd, 4096)
+        finally:
+            os.close(fd)
+        magic, version = struct.unpack_from("<II", header, 0)
+        assert (magic, version) == (0x64707463, 2)
+        struct.pack_into("<I", header, 4, 1)
+        with pytest.raises(dptc.DistError) as raised:
+            _C.Group(1, 2, 1, 2, 0, 1, path, False, 65536, 5.0, 1)
+        assert str(raised.value) == (
+            f"shared segment {path} has magic 64707463 version 1, and this dptc build reads "
+            f"magic 64707463 version 2: every rank of a node must run the same dptc build")
+        struct.pack_into("<II", header, 4, 2, 3)          # version 2, 3 local ranks
+        with pytest.raises(dptc.DistError) as raised:
+            _C.Group(1, 2, 1, 2, 0, 1, path, False, 65536, 5.0, 1)
+        assert str(raised.value) == (
+            f"shared segment {path} was not created for this group (3 local ranks, 1 streams, "
+            f"65536 slot bytes; this rank expects 2, 1, 65536)")
+        struct.pack_into("<I", header, 8, 2)
+        header.close()
+        opened = _C.Group(1, 2, 1, 2, 0, 1, path, False, 65536, 5.0, 1)
+        opened.close()
+    finally:
+        creator.close()
 
 
 # ---------------------------------------------------------------------------------------------
