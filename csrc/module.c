@@ -400,6 +400,12 @@ static void work_dealloc(WorkObject *self)
         self->work = NULL;        /* see [Note: dropped device work] */
         self->keepalive = NULL;
     }
+    /* A forked child's copy of a rank's work: nothing completes it there, and
+     * giving up would abort the rank's group ([Note: forked children]). */
+    if (self->work && self->group && self->group->pid != getpid()) {
+        dptc_leak(self->keepalive);
+        self->work = NULL;
+    }
     /* The engine may still write into the tensors we keep alive: wait;
      * dptc_work_wait aborts the group if it has to give up. */
     if (self->work && !dptc_work_is_completed(self->work)) {
@@ -667,7 +673,9 @@ fail:
  * the rank's records left ([Note: a rank that leaves] in shm.c), so the
  * rank's node peers would fail while it still trains, and would join threads
  * the child does not have.  The child only forgets its copy (its memory goes
- * with the child). */
+ * with the child), and so does a Work of the rank's that the child drops
+ * (work_dealloc): waiting there for a completion nobody posts would end in an
+ * abort of the rank's group at the deadline. */
 static void group_close_now(GroupObject *self)
 {
     dptc_group *g = self->group;

@@ -72,6 +72,15 @@ def test_a_forked_child_leaving_leaves_the_group_alone(how):
     assert results[1] == {"sums": [2.0, 3.0]}, results
 
 
+def test_a_forked_child_dropping_a_pending_work_leaves_it_to_the_rank():
+    # Before, the child waited for its copy of the work until its deadline (nothing completes
+    # it there), then aborted the rank's group: the next all_reduce failed on both ranks.
+    results = run_ranks("tests.workers_group:forked_child_drops_a_work", 2,
+                        args={"late": 1.5}, env={"DPTC_TIMEOUT": "4"}, timeout=90)
+    assert results[0] == {"sums": [3.0, 3.0], "child": 0, "pending_at_fork": True}, results
+    assert results[1] == {"sums": [3.0, 3.0]}, results
+
+
 def test_work_wait_accepts_timedelta():
     results = run_ranks("tests.workers_group:wait_with_timedelta", 2, timeout=60)
     assert results == [[True, True, 2.0]] * 2

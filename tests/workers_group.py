@@ -127,3 +127,49 @@ def forked_child_leaves(how: str):
     dptc.all_reduce(t)
     result["sums"].append(t[0].item())
     return result
+
+
+def forked_child_drops_a_work(late: float):
+    """Rank 0 forks while its async all_reduce waits for rank 1 (`late` seconds late); the
+    child drops its copy of the Work and leaves.  The child must not wait for a completion
+    nobody posts there, nor abort the group at its deadline ([Note: forked children] in
+    csrc/module.c).  Returns the sums of that all_reduce and of one after the child left and,
+    on rank 0, the child's exit status and whether the work was still pending at the fork."""
+    import gc
+    import dptc
+    rank = dptc.get_rank()
+    t = torch.full((8,), float(rank + 1))
+    if rank == 1:
+        time.sleep(late)
+        dptc.all_reduce(t)
+        return {"sums": [t[0].item(), _sum_after(rank)]}
+    work = dptc.all_reduce(t, async_op=True)
+    pending = not work.is_completed()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            del work
+            gc.collect()
+        finally:
+            os._exit(0)
+    deadline = time.monotonic() + 60
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            child = os.waitstatus_to_exitcode(status)
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            child = "hung for 60 s"
+            break
+        time.sleep(0.02)
+    work.wait()
+    return {"sums": [t[0].item(), _sum_after(rank)], "child": child, "pending_at_fork": pending}
+
+
+def _sum_after(rank):
+    import dptc
+    t = torch.full((8,), float(rank + 1))
+    dptc.all_reduce(t)
+    return t[0].item()
