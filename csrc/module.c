@@ -269,6 +269,48 @@ static PyObject *work_new(dptc_module_state *st, GroupObject *group, dptc_work *
     return (PyObject *)self;
 }
 
+/* The seconds a wait(timeout=...) may take: None or 0 (torch's default
+ * timedelta(0), its "no timeout given") mean the work's own (twice the
+ * group's timeout and a second); else a number of seconds or a
+ * datetime.timedelta, as torch's Work.wait takes.  A wait that
+ * gives up aborts the group (see [Note: memory of unfinished work]), so a
+ * negative, NaN or non-numeric timeout is refused here, before any wait.
+ * Returns 0, or -1 with an exception set. */
+static int work_timeout_seconds(PyObject *timeout, double group_timeout, double *out)
+{
+    *out = group_timeout;
+    if (timeout == Py_None)
+        return 0;
+    PyObject *value;
+    if (PyObject_HasAttrString(timeout, "total_seconds"))
+        value = PyObject_CallMethod(timeout, "total_seconds", NULL);
+    else if (PyLong_Check(timeout) && !PyBool_Check(timeout))
+        value = PyNumber_Float(timeout);
+    else if (PyFloat_Check(timeout))
+        value = Py_NewRef(timeout);
+    else {
+        PyErr_Format(PyExc_TypeError, "timeout must be None, a number of seconds or a "
+                     "datetime.timedelta, got %.100R", timeout);
+        return -1;
+    }
+    if (!value)
+        return -1;
+    double seconds = PyFloat_AsDouble(value);
+    Py_DECREF(value);
+    if (seconds == -1.0 && PyErr_Occurred())
+        return -1;
+    if (!(seconds >= 0.0 && seconds <= 1e9)) {
+        char group_text[32];   /* PyErr_Format has no %g */
+        snprintf(group_text, sizeof group_text, "%g", group_timeout);
+        PyErr_Format(PyExc_ValueError, "timeout must be between 0 and 1e9 seconds (None or 0: "
+                     "the default, %s s), got %.100R", group_text, timeout);
+        return -1;
+    }
+    if (seconds > 0.0)
+        *out = seconds;
+    return 0;
+}
+
 /* synchronize(timeout=None): blocks the host until the collective has
  * completed (the only wait of a shared-memory collective). */
 static PyObject *work_synchronize(WorkObject *self, PyObject *args, PyObject *kwargs)
@@ -277,19 +319,9 @@ static PyObject *work_synchronize(WorkObject *self, PyObject *args, PyObject *kw
     PyObject *timeout = Py_None;
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|O:synchronize", keywords, &timeout))
         return NULL;
-    double seconds = self->timeout_s;
-    if (timeout != Py_None) {
-        /* Seconds, or a datetime.timedelta as torch's Work.wait takes. */
-        PyObject *value = PyObject_HasAttrString(timeout, "total_seconds")
-                              ? PyObject_CallMethod(timeout, "total_seconds", NULL)
-                              : Py_NewRef(timeout);
-        if (!value)
-            return NULL;
-        seconds = PyFloat_AsDouble(value);
-        Py_DECREF(value);
-        if (seconds == -1.0 && PyErr_Occurred())
-            return NULL;
-    }
+    double seconds;
+    if (work_timeout_seconds(timeout, self->timeout_s, &seconds) < 0)
+        return NULL;
     dptc_error err;
     dptc_status status;
     dptc_watch watch;
@@ -363,6 +395,9 @@ static PyObject *work_wait(WorkObject *self, PyObject *args, PyObject *kwargs)
     static char *keywords[] = {"timeout", NULL};
     PyObject *timeout = Py_None;
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|O:wait", keywords, &timeout))
+        return NULL;
+    double unused;
+    if (work_timeout_seconds(timeout, self->timeout_s, &unused) < 0)
         return NULL;
     return work_stream_wait(self, self->device_stream);
 }
