@@ -12,6 +12,8 @@ While a torch profiler records, each call runs inside a named range (see [Note: 
 ranges] in _ranges.py).
 """
 
+import operator
+
 import torch
 import torch.distributed as dist
 
@@ -151,6 +153,15 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False, *, stream=0)
                   stream)
 
 
+def _rank_index(value, argname, what):
+    """A rank given as anything torch's collectives take for one (an int, a numpy integer, a
+    0-dim integer tensor); TypeError, as torch's, for anything else (a float, a string)."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{argname} must be {what} (an int), got {value!r}") from None
+
+
 def broadcast(tensor, src=None, group=None, async_op=False, group_src=None, *, stream=0):
     """Copies the tensor of rank src (a global rank, or group_src within the group) into
     tensor on every rank."""
@@ -162,11 +173,10 @@ def broadcast(tensor, src=None, group=None, async_op=False, group_src=None, *, s
         raise ValueError(f"pass exactly one of src (a global rank) and group_src (a rank of the "
                          f"group), got src={src!r}, group_src={group_src!r}")
     if group_src is None:
-        if not isinstance(src, int):
-            raise ValueError(f"src must be a global rank (int), got {src!r}")
-        root = pg.group_rank(src, "src")
+        root = pg.group_rank(_rank_index(src, "src", "a global rank"), "src")
     else:
-        if not isinstance(group_src, int) or not 0 <= group_src < pg.size:
+        group_src = _rank_index(group_src, "group_src", "a rank of the group")
+        if not 0 <= group_src < pg.size:
             raise ValueError(f"group_src must be a rank of the group in [0, {pg.size}), got "
                              f"{group_src!r}")
         root = group_src
