@@ -27,6 +27,7 @@ from .comm_hooks import (COMM_BF16, COMM_FP16, COMM_PLAIN, COMM_PYTHON, GradBuck
 from ._dcp import recognise
 from ._dtypes import dtype_code
 from ._sparse import produces_sparse_gradient, reduce_sparse_gradients
+from ._same_model import check_same_parameters
 from .collectives import ReduceOp, all_reduce, broadcast
 from .group import default_group, get_rank, resolve
 from .join import DDPJoinHook, Join, Joinable, _JoinConfig, notify
@@ -253,6 +254,12 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.output_device = self.device_ids[0] if cuda else None
         codes = _reduced_codes(params, names)
 
+        # See [Note: the same model on every rank] in dptc/_same_model.py.
+        check_same_parameters(
+            [(n, p) for n, p in module.named_parameters() if n not in self.parameters_to_ignore],
+            self._group, "DistributedDataParallel",
+            "build the module identically on every rank (the same layers in the same order, "
+            "shapes, dtypes and requires_grad) before wrapping it")
         if init_sync and self._group.size > 1:
             self._sync_module_states(broadcast_buffers=init_sync_buffers)
         self._build_reducer(params, names, sparse_params, sparse_names, codes)

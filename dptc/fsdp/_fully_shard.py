@@ -15,6 +15,7 @@ from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..group import default_group, new_group, resolve
+from .._same_model import check_same_parameters
 from ._api import MixedPrecisionPolicy, OffloadPolicy
 from ._state import State
 from ._unit import SpmdLayout, Unit
@@ -733,6 +734,15 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
         _check_param(param, f"{type(module_).__name__}.{name}")
         if spmd is not None:
             _check_spmd_param(param, f"{type(module_).__name__}.{name}", mesh, dp_mesh_dims)
+    # See [Note: the same model on every rank] in dptc/_same_model.py.
+    named = [(f"{type(locations[0][0]).__name__}.{locations[0][1]}", param)
+             for param, locations in params]
+    remedy = ("build the module identically on every rank (the same layers in the same order, "
+              "shapes, dtypes and requires_grad) and apply fully_shard to the same modules in "
+              "the same order on every rank")
+    for group in (shard_group, replicate_group):
+        check_same_parameters(named, group, f"fully_shard of {type(modules[0]).__name__}",
+                              remedy)
     dims = _shard_dims(params, shard_placement_fn)
     unit = (Unit(params, mesh, shard_group, replicate_group, mp_policy, dims, spmd)
             if params else None)
