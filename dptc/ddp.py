@@ -87,8 +87,8 @@ def _cap_bytes(cap_mb, argname):
     if isinstance(cap_mb, bool) or not isinstance(cap_mb, (int, float)):
         raise TypeError(f"{argname} must be a number of MiB, got {cap_mb!r}")
     if not math.isfinite(cap_mb) or cap_mb < 0:
-        raise ValueError(f"{argname} must be >= 0, got {cap_mb}; pass None for the default "
-                         f"({_DEFAULT_BUCKET_CAP_MB} MiB)")
+        raise ValueError(f"{argname} must be >= 0 and finite, got {cap_mb}; pass None for "
+                         f"the default ({_DEFAULT_BUCKET_CAP_MB} MiB)")
     return int(cap_mb * _MB)
 
 
@@ -945,6 +945,9 @@ def _overlaps(cuda, group):
 def _check_devices(params, device_ids, output_device):
     """The module's one device: the CPU, or one CUDA device (its gradients then go through
     NCCL, loaded here first: dptc.CudaLibraryError names what is missing)."""
+    if device_ids is not None and not isinstance(device_ids, (list, tuple)):
+        raise TypeError(f"device_ids must be None or a list holding the module's one CUDA "
+                        f"device (device_ids=[index]), got {device_ids!r}")
     devices = {p.device for p in params}
     device = params[0].device
     if len(devices) > 1 or device.type not in ("cpu", "cuda"):

@@ -89,6 +89,10 @@ def _mesh_for(strategy, process_group, device_mesh, device_type):
         raise ValueError(f"process_group as a pair (shard, replicate) is for HYBRID_SHARD; "
                          f"{strategy} takes one group")
     group = process_group if process_group is not None else dist.group.WORLD
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"process_group must be None or a torch.distributed ProcessGroup "
+                        f"(torch.distributed.new_group, or mesh.get_group()), or pass "
+                        f"device_mesh=; got {type(process_group).__name__} {process_group!r}")
     if strategy == ShardingStrategy.NO_SHARD:
         return _replicated(group, device_type)
     return DeviceMesh.from_group(group, device_type)

@@ -697,6 +697,11 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
         if not all(hasattr(mp_policy, f) for f in ("param_dtype", "reduce_dtype",
                                                     "output_dtype", "cast_forward_inputs")):
             raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {mp_policy!r}")
+    for field in ("param_dtype", "reduce_dtype", "output_dtype"):
+        value = getattr(mp_policy, field)
+        if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
+            raise TypeError(f"mp_policy.{field} must be None or a floating-point torch.dtype "
+                            f"(torch.bfloat16, torch.float32, ...), got {value!r}")
     if not isinstance(offload_policy, OffloadPolicy) and \
             type(offload_policy).__name__ not in ("OffloadPolicy", "CPUOffloadPolicy"):
         raise TypeError(f"offload_policy must be an OffloadPolicy, got {offload_policy!r}")
