@@ -87,8 +87,8 @@ def _cap_bytes(cap_mb, argname):
     if isinstance(cap_mb, bool) or not isinstance(cap_mb, (int, float)):
         raise TypeError(f"{argname} must be a number of MiB, got {cap_mb!r}")
     if not math.isfinite(cap_mb) or cap_mb < 0:
-        raise ValueError(f"{argname} must be >= 0 and finite, got {cap_mb}; pass None for "
-                         f"the default ({_DEFAULT_BUCKET_CAP_MB} MiB)")
+        raise ValueError(f"{argname} must be >= 0, got {cap_mb}; pass None for the default "
+                         f"({_DEFAULT_BUCKET_CAP_MB} MiB)")
     return int(cap_mb * _MB)
 
 
