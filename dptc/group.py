@@ -618,6 +618,7 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
     global _default, _generation, _world_nodes, _owner_pid
     if _default is not None:
         if dist.is_initialized():
+            _check_reinit(_default, backend, timeout, world_size, rank)
             return _default
         # torch.distributed's default group, which dptc's builds on, was destroyed under it
         # (torch's destroy_process_group in a script set up with dptc's init): start again.
@@ -645,6 +646,27 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
                 rank, size, _default.node, _default.nnodes, _default.local_rank,
                 _default.local_size)
     return _default
+
+
+def _check_reinit(group, backend, timeout, world_size, rank):
+    """init_process_group on a default group that is up returns it (dptc initialises itself on
+    first use, so a script's own call often comes second), unless the call asks for something
+    else, which would otherwise be ignored in silence: another backend, timeout, world size
+    or rank is a ValueError naming it."""
+    if backend not in (None, "dptc", "gloo", "cpu:gloo"):
+        raise ValueError(f"backend must be None, 'dptc' or 'gloo', got {backend!r}; dptc "
+                         f"moves CPU bytes itself and uses gloo only between nodes")
+    asked = {"world_size": (world_size, group.size), "rank": (rank, group.rank)}
+    if timeout is not None:
+        asked["timeout"] = (_timeout_seconds(timeout), group.timeout)
+    for name, (wanted, actual) in asked.items():
+        if wanted not in (-1, actual):
+            raise ValueError(
+                f"init_process_group({name}={timeout if name == 'timeout' else wanted!r}): "
+                f"dptc's default group is already initialised with {name} {actual!r} (dptc "
+                f"initialises itself on the first call that needs a group, e.g. get_rank() or "
+                f"a wrapper); call init_process_group before any other dptc call, or "
+                f"destroy_process_group() first")
 
 
 def new_group(ranks=None, timeout=None, backend=None, pg_options=None,
