@@ -1,0 +1,185 @@
+"""Mistakes a new user makes with dptc's public calls, against torch.distributed on gloo.
+
+Layer: two ranks (rank-side bodies in tests/workers_bad_input.py; one launch per body, shared
+by the tests that read it).  Each case pins the error type and the words of dptc's message (the
+argument, the value, the remedy) or the numbers the call gives; where torch is run too, its
+outcome is pinned beside dptc's, so a difference is a decision, not an accident.  Mistakes
+tests/test_collectives.py, test_ddp_errors.py and test_fsdp_errors.py already cover are not
+repeated here.
+
+What each case did before it was fixed:
+    Work.wait(timeout=timedelta(0)) with a peer 0.5 s late   torch's default ("no timeout
+        given"): torch waits; dptc waited 0 s, raised DistTimeoutError and aborted the group,
+        so every rank's next collective failed with PeerLostError
+    Work.wait(timeout=timedelta(seconds=-1)) or nan   torch: RuntimeError "Operation timed
+        out!", the collective left running; dptc: DistTimeoutError "did not complete within
+        -1.0 s", the group aborted on every rank
+    Work.wait(timeout="5")   dptc: TypeError "must be real number, not str" (no argument named)
+    broadcast(src=np.int64(1)) or src=torch.tensor(1)   torch accepts them; dptc: ValueError
+    broadcast(src=0.5 / "1"), group_src=1.0   torch: TypeError; dptc: ValueError
+    DDP, fully_shard and FSDP1 over models that differ between ranks in shapes or order but
+        not in element count (Linear(4, 6) against Linear(6, 4); the same two layers in the
+        other order)   torch's DDP: RuntimeError "params[0] in this process with sizes [4, 6]
+        appears not to match sizes of the same param in process 0" at construction; torch's
+        fully_shard accepts it, and DTensor.full_tensor() later kills a rank with SIGABRT in
+        gloo; dptc accepted both silently and trained the ranks apart (DDP gradients
+        [5.72, 1.65, 5.06] on rank 0 against [5.72, 3.02, 3.69] on rank 1 after one step)
+    the same with an extra bias, another dtype, or a parameter frozen on one rank only
+        dptc: CollectiveMismatchError naming an internal "call(uint8, count=96)" or a
+        broadcast, not the parameter (torch's DDP: "DDP expects same model across all ranks")
+    DDP(module, device_ids=0) on a CPU module   torch: TypeError "object of type 'int' has no
+        len()"; dptc accepted it (0 is falsy) and ignored it
+    MixedPrecisionPolicy(param_dtype="bf16")   torch: RuntimeError "Invalid device string:
+        'bf16'" at forward; dptc: TypeError "empty(): argument 'dtype' must be torch.dtype"
+    FullyShardedDataParallel(process_group=0)   torch: AttributeError "'int' object has no
+        attribute 'rank'"; dptc: TypeError "'int' object is not iterable"
+    init_process_group(timeout=5 s) or ("nccl") once dptc is initialised   torch: ValueError
+        "trying to initialize the default process group twice!"; dptc returned its group
+        with the timeout it had (30 s here) or its backend, ignoring the request
+"""
+
+import pytest
+
+from tests._launch import run_ranks
+
+RUN_TIMEOUT_S = 150
+
+# case: (dptc's error type or None, fragments of its message or its value,
+#        torch's error type or None, fragment of torch's message or its value)
+CALLS = {
+    "wait_timeout_zero_late_peer": (None, [True, [3.0, 3.0, 3.0, 3.0]],
+                                    None, [True, [3.0, 3.0, 3.0, 3.0]]),
+    "wait_timeout_str": ("TypeError", ["timeout must be None, a number of seconds or a "
+                                       "datetime.timedelta", "got '5'"],
+                         "TypeError", "incompatible function arguments"),
+    "wait_timeout_negative": ("ValueError", ["timeout must be between 0 and 1e9 seconds",
+                                             "(None or 0: the default, 61 s)",
+                                             "datetime.timedelta(days=-1, seconds=86399)"],
+                              "RuntimeError", "Operation timed out!"),
+    "wait_timeout_nan": ("ValueError", ["timeout must be between 0 and 1e9 seconds", "got nan"],
+                         "RuntimeError", "Operation timed out!"),
+    "src_numpy_int": (None, [11.0, 11.0, 11.0], None, [11.0, 11.0, 11.0]),
+    "src_0dim_tensor": (None, [11.0, 11.0, 11.0], None, [11.0, 11.0, 11.0]),
+    "src_float": ("TypeError", ["src must be a global rank (an int)", "got 0.5"],
+                  "TypeError", "incompatible function arguments"),
+    "src_str": ("TypeError", ["src must be a global rank (an int)", "got '1'"],
+                "TypeError", "incompatible function arguments"),
+    "group_src_float": ("TypeError", ["group_src must be a rank of the group (an int)",
+                                      "got 1.0"],
+                        "TypeError", "incompatible function arguments"),
+    # dptc's init is idempotent (it initialises itself on first use), unless asked for
+    # something other than what it has, which it used to ignore.
+    "init_again_same_backend": (None, True,
+                                "ValueError", "trying to initialize the default process group "
+                                              "twice!"),
+    "init_again_other_timeout": ("ValueError", [
+        "init_process_group(timeout=datetime.timedelta(seconds=5))", "already initialised with timeout 30.0",
+        "call init_process_group before any other dptc call"],
+        "ValueError", "trying to initialize the default process group twice!"),
+    "init_again_nccl": ("ValueError", ["backend must be None, 'dptc' or 'gloo', got 'nccl'"],
+                        "ValueError", "trying to initialize the default process group twice!"),
+}
+
+_SAME_MODEL = "expects the same model on every rank of its group"
+_DDP_REMEDY = ("build the module identically on every rank (the same layers in the same order, "
+               "shapes, dtypes and requires_grad) before wrapping it")
+_FSDP_REMEDY = "apply fully_shard to the same modules in the same order on every rank"
+# case: (dptc's error type, fragments of its message); every case raises on both ranks alike.
+MODELS = {
+    "ddp_transposed": ("RuntimeError", [
+        "DistributedDataParallel " + _SAME_MODEL,
+        "parameter 0 is 'weight' of shape (6, 4), float32 on global rank 0 and 'weight' of "
+        "shape (4, 6), float32 on global rank 1", _DDP_REMEDY]),
+    "ddp_reordered": ("RuntimeError", [
+        "parameter 1 is '0.bias' of shape (4,), float32 on global rank 0 and '1.weight' of "
+        "shape (4, 4), float32 on global rank 1", _DDP_REMEDY]),
+    "ddp_extra_bias": ("RuntimeError", [
+        "global rank 0 has 2 parameters and global rank 1 has 1", "'bias' of shape (4,)"]),
+    "ddp_dtype": ("RuntimeError", ["float32 on global rank 0", "float64 on global rank 1"]),
+    "ddp_frozen_on_one_rank": ("RuntimeError", [
+        "'0.weight' of shape (4, 4), float32, frozen on global rank 0 and '0.weight' of shape "
+        "(4, 4), float32 on global rank 1"]),
+    "fully_shard_transposed": ("RuntimeError", [
+        "fully_shard of Linear " + _SAME_MODEL,
+        "'Linear.weight' of shape (6, 4), float32 on global rank 0 and 'Linear.weight' of "
+        "shape (4, 6), float32 on global rank 1", _FSDP_REMEDY]),
+    "fully_shard_reordered": ("RuntimeError", [
+        "parameter 1 is 'Linear.bias' of shape (4,), float32 on global rank 0 and "
+        "'Linear.weight' of shape (4, 4)", _FSDP_REMEDY]),
+    "fully_shard_extra_bias": ("RuntimeError", [
+        "global rank 0 has 2 parameters and global rank 1 has 1"]),
+    "fsdp1_transposed": ("RuntimeError", [
+        _SAME_MODEL, "(6, 4), float32 on global rank 0", "(4, 6), float32 on global rank 1"]),
+    "ddp_device_ids_int": ("TypeError", [
+        "device_ids must be None or a list", "device_ids=[index]", "got 0"]),
+    "fully_shard_param_dtype_str": ("TypeError", [
+        "mp_policy.param_dtype must be None or a floating-point torch.dtype", "got 'bf16'"]),
+    "fsdp1_process_group_int": ("TypeError", [
+        "process_group must be None or a torch.distributed ProcessGroup", "device_mesh=",
+        "got int 0"]),
+}
+
+_launches = {}
+
+
+def _launch(key, target, **kwargs):
+    """run_ranks once per key; a failed launch fails every test that reads it."""
+    if key not in _launches:
+        try:
+            _launches[key] = run_ranks(target, 2, timeout=RUN_TIMEOUT_S, **kwargs)
+        except AssertionError as error:
+            _launches[key] = error
+    outcome = _launches[key]
+    if isinstance(outcome, AssertionError):
+        raise AssertionError(f"the {key} launch failed:\n{outcome}")
+    return outcome
+
+
+def _check(outcome, error_type, expected):
+    """expected: the fragments of the message (a list of str) or the value."""
+    assert outcome["type"] == error_type, outcome
+    if error_type is None:
+        assert outcome["value"] == expected, outcome
+    else:
+        for fragment in expected if isinstance(expected, list) else [expected]:
+            assert fragment in outcome["message"], (fragment, outcome)
+
+
+@pytest.mark.parametrize("impl", ["dptc", "torch"])
+@pytest.mark.parametrize("case", list(CALLS))
+def test_call(case, impl):
+    dptc_type, dptc_expected, torch_type, torch_expected = CALLS[case]
+    results = _launch(f"calls-{impl}", "tests.workers_bad_input:call_cases",
+                      args={"impl": impl}, reference=impl == "torch")
+    for result in results:
+        if impl == "dptc":
+            _check(result[case], dptc_type, dptc_expected)
+        else:
+            _check(result[case], torch_type, torch_expected)
+
+
+@pytest.mark.parametrize("impl", ["dptc", "torch"])
+def test_group_in_step_after_bad_calls(impl):
+    """No refused call aborted the group or put the ranks out of step."""
+    results = _launch(f"calls-{impl}", "tests.workers_bad_input:call_cases",
+                      args={"impl": impl}, reference=impl == "torch")
+    assert [result["in_step"] for result in results] == [True, True]
+
+
+@pytest.mark.parametrize("case", list(MODELS))
+def test_model_refused_on_every_rank(case):
+    error_type, fragments = MODELS[case]
+    results = _launch("models", "tests.workers_bad_input:model_cases")
+    for result in results:
+        _check(result[case], error_type, fragments)
+    # Both ranks give the same message: each compares every rank's description.
+    assert results[0][case]["message"] == results[1][case]["message"]
+
+
+def test_matched_model_trains_after_refusals():
+    """After every refusal the group is in step, and DDP and fully_shard over the same model
+    on both ranks give the single process's gradients (float64)."""
+    for result in _launch("models", "tests.workers_bad_input:model_cases"):
+        assert result["in_step"] is True
+        assert result["trained"]["ddp"] < 1e-12, result["trained"]
+        assert result["trained"]["fully_shard"] < 1e-12, result["trained"]

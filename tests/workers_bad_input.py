@@ -1,0 +1,156 @@
+"""Rank-side bodies of tests/test_bad_input.py: mistakes a new user makes, each call's outcome
+recorded as {"type", "message", "value"} so the test can pin error types, words and numbers."""
+
+import datetime
+import time
+
+import numpy as np
+import torch
+from torch import nn
+
+from tests._rank import load_impl
+
+__all__ = ["call_cases", "model_cases"]
+
+
+def _outcome(call):
+    try:
+        value = call()
+    except Exception as error:  # noqa: BLE001 - the error is the result
+        return {"type": type(error).__name__, "message": str(error), "value": None}
+    return {"type": None, "message": "", "value": value}
+
+
+def _in_step(api, world_size):
+    """True when the group still works after the bad calls: an all-reduce gives its sum."""
+    check = torch.full((3,), float(api.get_rank() + 1))
+    api.all_reduce(check)
+    return check.tolist() == [float(world_size * (world_size + 1) // 2)] * 3
+
+
+def call_cases(impl):
+    """Work.wait's timeout and broadcast's src, as torch.distributed (gloo) or dptc."""
+    api = load_impl(impl)
+    rank, world_size = api.get_rank(), api.get_world_size()
+
+    def waited(timeout, late=0.0):
+        def call():
+            if rank == 1:
+                time.sleep(late)   # the peer arrives late: the wait must not give up at once
+            tensor = torch.full((4,), float(rank + 1))
+            work = api.all_reduce(tensor, async_op=True)
+            try:
+                done = work.wait(timeout=timeout)
+            finally:
+                if impl == "torch":
+                    work.wait()    # a refused argument leaves the collective to finish
+            return [bool(done), tensor.tolist()]
+        return call
+
+    def broadcast_from(**kwargs):
+        def call():
+            tensor = torch.full((3,), float(rank + 10))
+            api.broadcast(tensor, **kwargs)
+            return tensor.tolist()
+        return call
+
+    cases = {
+        "wait_timeout_zero_late_peer": waited(datetime.timedelta(0), late=0.5),
+        "wait_timeout_str": waited("5"),
+        "wait_timeout_negative": waited(datetime.timedelta(seconds=-1)),
+        "wait_timeout_nan": waited(float("nan")),
+        "src_numpy_int": broadcast_from(src=np.int64(1)),
+        "src_0dim_tensor": broadcast_from(src=torch.tensor(1)),
+        "src_float": broadcast_from(src=0.5),
+        "src_str": broadcast_from(src="1"),
+        "group_src_float": broadcast_from(group_src=1.0),
+        "init_again_same_backend": lambda: api.module.init_process_group("gloo") is not None,
+        "init_again_other_timeout": lambda: repr(api.module.init_process_group(
+            "gloo", timeout=datetime.timedelta(seconds=5))),
+        "init_again_nccl": lambda: repr(api.module.init_process_group("nccl")),
+    }
+    results = {name: _outcome(call) for name, call in cases.items()}
+    results["in_step"] = _in_step(api, world_size)
+    if impl == "dptc":
+        api.destroy_process_group()
+    return results
+
+
+def model_cases():
+    """dptc's wrappers over models that differ between the two ranks (each refused on both
+    ranks, before any training), and argument mistakes of theirs; then a matched model trains
+    to the single-process numbers on the same group."""
+    import dptc
+    api = load_impl("dptc")
+    rank, world_size = api.get_rank(), api.get_world_size()
+    first = rank == 0
+
+    def linear_transposed():
+        return nn.Linear(4, 6, bias=False) if first else nn.Linear(6, 4, bias=False)
+
+    def reordered():
+        torch.manual_seed(0)
+        a, b = nn.Linear(4, 4), nn.Linear(4, 4, bias=False)
+        return nn.Sequential(a, b) if first else nn.Sequential(b, a)
+
+    def partly_frozen():
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        model[0].weight.requires_grad_(not first)
+        return model
+
+    def ddp(make):
+        return lambda: repr(dptc.DistributedDataParallel(make()))
+
+    def fully_shard(make):
+        return lambda: repr(dptc.fully_shard(make()))
+
+    def fsdp1(make):
+        return lambda: repr(dptc.FullyShardedDataParallel(nn.Sequential(make())))
+
+    cases = {
+        "ddp_transposed": ddp(linear_transposed),
+        "ddp_reordered": ddp(reordered),
+        "ddp_extra_bias": ddp(lambda: nn.Linear(4, 4, bias=first)),
+        "ddp_dtype": ddp(lambda: nn.Linear(4, 4).to(torch.float32 if first else torch.float64)),
+        "ddp_frozen_on_one_rank": ddp(partly_frozen),
+        "fully_shard_transposed": fully_shard(linear_transposed),
+        "fully_shard_reordered": fully_shard(reordered),
+        "fully_shard_extra_bias": fully_shard(lambda: nn.Linear(4, 4, bias=first)),
+        "fsdp1_transposed": fsdp1(linear_transposed),
+        "ddp_device_ids_int": lambda: repr(dptc.DistributedDataParallel(nn.Linear(4, 4),
+                                                                        device_ids=0)),
+        "fully_shard_param_dtype_str": lambda: repr(dptc.fully_shard(
+            nn.Linear(4, 4), mp_policy=dptc.MixedPrecisionPolicy(param_dtype="bf16"))),
+        "fsdp1_process_group_int": lambda: repr(dptc.FullyShardedDataParallel(
+            nn.Sequential(nn.Linear(4, 4)), process_group=0)),
+    }
+    results = {name: _outcome(call) for name, call in cases.items()}
+    results["in_step"] = _in_step(api, world_size)
+    results["trained"] = _train_matched(dptc, rank, world_size)
+    api.destroy_process_group()
+    return results
+
+
+def _train_matched(dptc, rank, world_size):
+    """After the refusals: DDP and fully_shard over the same model on both ranks, one step
+    each, against one process on the concatenated batch; max relative difference of the
+    gradients."""
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2)).double()
+    torch.manual_seed(1)
+    batch = torch.randn(world_size * 3, 4, dtype=torch.float64)
+    reference(batch).pow(2).mean().backward()
+    expected = [p.grad for p in reference.parameters()]
+    mine = batch[rank * 3:(rank + 1) * 3]
+    out = {}
+    for kind in ("ddp", "fully_shard"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2)).double()
+        wrapped = (dptc.DistributedDataParallel(model) if kind == "ddp"
+                   else dptc.fully_shard(model))
+        wrapped(mine).pow(2).mean().backward()
+        grads = [p.grad.full_tensor() if kind == "fully_shard" else p.grad
+                 for p in model.parameters()]
+        out[kind] = max(float((g - e).abs().max() / e.abs().max())
+                        for g, e in zip(grads, expected))
+    return out
