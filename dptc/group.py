@@ -683,7 +683,11 @@ def new_group(ranks=None, timeout=None, backend=None, pg_options=None,
     world = default_group()
     if backend not in (None, "dptc", "gloo", "cpu:gloo"):
         raise ValueError(f"backend must be None, 'dptc' or 'gloo', got {backend!r}")
-    members = list(range(world.size)) if ranks is None else sorted(ranks)
+    listed = None if ranks is None else _iterable(ranks, "ranks")
+    if listed is not None and (isinstance(ranks, (str, bytes)) or not all(
+            isinstance(r, int) and not isinstance(r, bool) for r in listed)):
+        raise TypeError(f"ranks must be None or a list of global ranks (ints), got {ranks!r}")
+    members = list(range(world.size)) if ranks is None else sorted(listed)
     if len(set(members)) != len(members):
         raise ValueError(f"ranks must not repeat a rank, got {ranks}")
     for r in members:
@@ -705,6 +709,14 @@ def new_group(ranks=None, timeout=None, backend=None, pg_options=None,
     group = _make_group(store, members, seconds, None)
     logger.info("dptc group %s: rank %d of %d", members, group.rank, group.size)
     return group
+
+
+def _iterable(value, argname):
+    try:
+        return list(value)
+    except TypeError:
+        raise TypeError(f"{argname} must be None or a list of global ranks (ints), got "
+                        f"{value!r}") from None
 
 
 def is_initialized():

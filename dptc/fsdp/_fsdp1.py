@@ -312,6 +312,11 @@ class FullyShardedDataParallel(nn.Module):
             raise TypeError(f"sharding_strategy must be a ShardingStrategy, got {strategy!r}")
         mesh = _mesh if _mesh is not None else _mesh_for(strategy, process_group, device_mesh,
                                                          device.type)
+        for argname, value in (("ignored_modules", ignored_modules),
+                               ("ignored_states", ignored_states)):
+            if isinstance(value, (nn.Module, torch.Tensor)):
+                raise TypeError(f"{argname} must be a list of modules or parameters, got a "
+                                f"{type(value).__name__}; pass [it]")
         ignored_params = set()
         for ignored in list(ignored_modules or ()) + list(ignored_states or ()):
             if isinstance(ignored, nn.Module):

@@ -732,6 +732,10 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
         else:
             post_forward_group = _blocks_group(mesh, reshard_after_forward)
             reshard_after_forward = True
+    if isinstance(ignored_params, torch.Tensor):
+        raise TypeError(f"ignored_params must be a set of parameters, got a "
+                        f"{type(ignored_params).__name__} of shape {tuple(ignored_params.shape)}; "
+                        f"pass {{parameter}}")
     ignored = set(ignored_params or ())
     params = _collect_params(modules, ignored, spmd_mesh=mesh if spmd else None)
     for param, locations in params:
