@@ -33,6 +33,14 @@ What each case did before it was fixed:
         'bf16'" at forward; dptc: TypeError "empty(): argument 'dtype' must be torch.dtype"
     FullyShardedDataParallel(process_group=0)   torch: AttributeError "'int' object has no
         attribute 'rank'"; dptc: TypeError "'int' object is not iterable"
+    new_group(2), new_group("01")   torch: TypeError "'int' object is not iterable", "'<' not
+        supported between instances of 'str' and 'int'"; dptc: the first alike, the second
+        ValueError "ranks must hold global ranks in [0, 2), got 01"
+    fully_shard(ignored_params=param)   torch accepts it and ignores nothing (it takes a set:
+        a list raises "Boolean value of Tensor with more than one value is ambiguous", which
+        dptc accepts); dptc: RuntimeError "Boolean value of Tensor ... is ambiguous"
+    FSDP1(ignored_modules=module)   torch and dptc: TypeError "'Linear' object is not
+        iterable"
     init_process_group(timeout=5 s) or ("nccl") once dptc is initialised   torch: ValueError
         "trying to initialize the default process group twice!"; dptc returned its group
         with the timeout it had (30 s here) or its backend, ignoring the request
@@ -67,6 +75,13 @@ CALLS = {
     "group_src_float": ("TypeError", ["group_src must be a rank of the group (an int)",
                                       "got 1.0"],
                         "TypeError", "incompatible function arguments"),
+    "new_group_ranks_int": ("TypeError", ["ranks must be None or a list of global ranks "
+                                          "(ints), got 2"],
+                            "TypeError", "'int' object is not iterable"),
+    "new_group_ranks_str": ("TypeError", ["ranks must be None or a list of global ranks "
+                                          "(ints), got '01'"],
+                            "TypeError", "'<' not supported between instances of 'str' and "
+                                         "'int'"),
     # dptc's init is idempotent (it initialises itself on first use), unless asked for
     # something other than what it has, which it used to ignore.
     "init_again_same_backend": (None, True,
@@ -114,6 +129,11 @@ MODELS = {
         "device_ids must be None or a list", "device_ids=[index]", "got 0"]),
     "fully_shard_param_dtype_str": ("TypeError", [
         "mp_policy.param_dtype must be None or a floating-point torch.dtype", "got 'bf16'"]),
+    "fully_shard_ignored_params_tensor": ("TypeError", [
+        "ignored_params must be a set of parameters, got a Parameter of shape (4, 4)",
+        "pass {parameter}"]),
+    "fsdp1_ignored_modules_module": ("TypeError", [
+        "ignored_modules must be a list of modules or parameters, got a Linear", "pass [it]"]),
     "fsdp1_process_group_int": ("TypeError", [
         "process_group must be None or a torch.distributed ProcessGroup", "device_mesh=",
         "got int 0"]),

@@ -64,6 +64,8 @@ def call_cases(impl):
         "src_float": broadcast_from(src=0.5),
         "src_str": broadcast_from(src="1"),
         "group_src_float": broadcast_from(group_src=1.0),
+        "new_group_ranks_int": lambda: repr(api.module.new_group(2)),
+        "new_group_ranks_str": lambda: repr(api.module.new_group("01")),
         "init_again_same_backend": lambda: api.module.init_process_group("gloo") is not None,
         "init_again_other_timeout": lambda: repr(api.module.init_process_group(
             "gloo", timeout=datetime.timedelta(seconds=5))),
@@ -121,6 +123,10 @@ def model_cases():
                                                                         device_ids=0)),
         "fully_shard_param_dtype_str": lambda: repr(dptc.fully_shard(
             nn.Linear(4, 4), mp_policy=dptc.MixedPrecisionPolicy(param_dtype="bf16"))),
+        "fully_shard_ignored_params_tensor": lambda: repr(dptc.fully_shard(
+            nn.Linear(4, 4), ignored_params=nn.Linear(4, 4).weight)),
+        "fsdp1_ignored_modules_module": lambda: repr(dptc.FullyShardedDataParallel(
+            nn.Sequential(nn.Linear(4, 4)), ignored_modules=nn.Linear(4, 4))),
         "fsdp1_process_group_int": lambda: repr(dptc.FullyShardedDataParallel(
             nn.Sequential(nn.Linear(4, 4)), process_group=0)),
     }
