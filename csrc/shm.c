@@ -419,11 +419,15 @@ static void describe(const fingerprint *f, char *out, size_t n)
         snprintf(out, n, "broadcast(%s, count=%llu, src=%d) (collective #%llu)",
                  dptc_dtype_name((dptc_dtype)f->dtype), (unsigned long long)f->count, f->root,
                  (unsigned long long)f->seq);
-    else
+    else if (f->op == DPTC_OP_ALL_REDUCE || f->op == DPTC_OP_REDUCE_SCATTER)
         snprintf(out, n, "%s(%s, count=%llu, op=%s) (collective #%llu)",
                  dptc_op_name((dptc_op)f->op), dptc_dtype_name((dptc_dtype)f->dtype),
                  (unsigned long long)f->count, dptc_redop_name((dptc_redop)f->redop),
                  (unsigned long long)f->seq);
+    else  /* no reduce op to name: an all-gather, or a transport's own step */
+        snprintf(out, n, "%s(%s, count=%llu) (collective #%llu)",
+                 dptc_op_name((dptc_op)f->op), dptc_dtype_name((dptc_dtype)f->dtype),
+                 (unsigned long long)f->count, (unsigned long long)f->seq);
 }
 
 static void fingerprint_of(channel *ch, const dptc_coll *c, uint64_t seq,

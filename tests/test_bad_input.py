@@ -203,3 +203,16 @@ def test_matched_model_trains_after_refusals():
         assert result["in_step"] is True
         assert result["trained"]["ddp"] < 1e-12, result["trained"]
         assert result["trained"]["fully_shard"] < 1e-12, result["trained"]
+
+
+def test_gather_mismatch_names_no_reduce_op():
+    """A mismatch names each side's all-gather without the 'op=SUM' it used to print (an
+    all-gather reduces nothing)."""
+    results = run_ranks("tests.workers_bad_input:gather_mismatch", 2, timeout=RUN_TIMEOUT_S,
+                        expect_failure=True)
+    for result in results:
+        assert result["error_type"] == "CollectiveMismatchError", result
+        for fragment in ("all_gather_into_tensor(float32, count=4) (collective #1)",
+                         "all_gather_into_tensor(float32, count=3) (collective #1)"):
+            assert fragment in result["error"], (fragment, result["error"])
+        assert "op=" not in result["error"], result["error"]

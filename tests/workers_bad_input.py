@@ -10,7 +10,7 @@ from torch import nn
 
 from tests._rank import load_impl
 
-__all__ = ["call_cases", "model_cases"]
+__all__ = ["call_cases", "model_cases", "gather_mismatch"]
 
 
 def _outcome(call):
@@ -160,3 +160,13 @@ def _train_matched(dptc, rank, world_size):
         out[kind] = max(float((g - e).abs().max() / e.abs().max())
                         for g, e in zip(grads, expected))
     return out
+
+
+def gather_mismatch():
+    """Rank 0 all-gathers 4 elements, rank 1 three; every rank raises, naming both sides."""
+    api = load_impl("dptc")
+    rank = api.get_rank()
+    api.all_reduce(torch.ones(2))
+    count = 4 if rank == 0 else 3
+    api.all_gather_into_tensor(torch.empty(2 * count), torch.ones(count))
+    return "completed"
