@@ -49,6 +49,25 @@ def _check_tensor(tensor, argname):
     return dtype_code(tensor.dtype, argname)
 
 
+def _as_real(tensor, argname, op=None, what=None):
+    """A complex tensor as its (real, imaginary) pairs, as torch.distributed communicates it
+    (a view: the collective writes into the tensor itself); other tensors unchanged.  A
+    reduction other than SUM or AVG is refused, as torch refuses it."""
+    if not isinstance(tensor, torch.Tensor) or not tensor.is_complex():
+        return tensor
+    if op is not None and not any(op == allowed for allowed in (ReduceOp.SUM, ReduceOp.AVG)):
+        raise ValueError(f"{what} does not support op={op!r} on complex tensors ({argname} "
+                         f"has dtype {tensor.dtype}), as torch's does not; use ReduceOp.SUM or "
+                         f"ReduceOp.AVG, or reduce the real and imaginary parts apart")
+    if not tensor.is_contiguous():
+        return tensor   # _check_tensor names the problem
+    if tensor.is_conj():
+        # RuntimeError, as torch's (its view_as_real raises it).
+        raise RuntimeError(f"{argname} is a conjugate view (tensor.conj()), which a collective "
+                         f"cannot write through; pass {argname}.resolve_conj() and copy back")
+    return torch.view_as_real(tensor)
+
+
 def _check_pair(pg, shard, shard_name, full, full_name):
     """Checks a (shard, world_size * shard) pair of same-dtype tensors; returns the dtype code."""
     code = _check_tensor(shard, shard_name)
@@ -140,13 +159,15 @@ def _issue_cuda(pg, args, async_op):
 
 
 def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False, *, stream=0):
-    """Reduces tensor in place across the group (SUM, AVG, MAX, MIN, PRODUCT).
+    """Reduces tensor in place across the group (SUM, AVG, MAX, MIN, PRODUCT; a complex
+    tensor SUM or AVG, as torch's).
 
     dptc's extension: ``stream`` picks one of the group's independent ordered streams.
     """
     pg = resolve(group)
     if pg is None:
         return None
+    tensor = _as_real(tensor, "tensor", op, "all_reduce")
     code = _check_tensor(tensor, "tensor")
     redop = redop_code(op, tensor.dtype)
     return _issue(pg, OP_ALL_REDUCE, code, redop, tensor, tensor, tensor.numel(), 0, async_op,
@@ -168,6 +189,7 @@ def broadcast(tensor, src=None, group=None, async_op=False, group_src=None, *, s
     pg = resolve(group)
     if pg is None:
         return None
+    tensor = _as_real(tensor, "tensor")
     code = _check_tensor(tensor, "tensor")
     if (src is None) == (group_src is None):
         raise ValueError(f"pass exactly one of src (a global rank) and group_src (a rank of the "
@@ -190,6 +212,10 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=Fal
     pg = resolve(group)
     if pg is None:
         return None
+    if isinstance(input_tensor, torch.Tensor) and isinstance(output_tensor, torch.Tensor) \
+            and input_tensor.dtype == output_tensor.dtype:
+        input_tensor = _as_real(input_tensor, "input_tensor")
+        output_tensor = _as_real(output_tensor, "output_tensor")
     code = _check_pair(pg, input_tensor, "input_tensor", output_tensor, "output_tensor")
     return _issue(pg, OP_ALL_GATHER, code, 0, input_tensor, output_tensor, input_tensor.numel(),
                   0, async_op, stream)
@@ -229,6 +255,10 @@ def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=F
     pg = resolve(group)
     if pg is None:
         return None
+    if isinstance(input, torch.Tensor) and isinstance(output, torch.Tensor) \
+            and input.dtype == output.dtype:
+        input = _as_real(input, "input", op, "reduce_scatter_tensor")
+        output = _as_real(output, "output")
     code = _check_pair(pg, output, "output", input, "input")
     redop = redop_code(op, input.dtype)
     return _issue(pg, OP_REDUCE_SCATTER, code, redop, input, output, output.numel(), 0,

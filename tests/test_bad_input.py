@@ -8,6 +8,9 @@ tests/test_collectives.py, test_ddp_errors.py and test_fsdp_errors.py already co
 repeated here.
 
 What each case did before it was fixed:
+    all_reduce (SUM, AVG), broadcast, all_gather_into_tensor, reduce_scatter_tensor of
+        complex64 tensors   torch: communicated as (real, imaginary) pairs; dptc: TypeError
+        "tensor has dtype torch.complex64, which dptc does not communicate"
     Work.wait(timeout=timedelta(0)) with a peer 0.5 s late   torch's default ("no timeout
         given"): torch waits; dptc waited 0 s, raised DistTimeoutError and aborted the group,
         so every rank's next collective failed with PeerLostError
@@ -54,7 +57,21 @@ RUN_TIMEOUT_S = 150
 
 # case: (dptc's error type or None, fragments of its message or its value,
 #        torch's error type or None, fragment of torch's message or its value)
+_COMPLEX_SUM = [[2.0, 4.0], [-1.0, 1.0]]
 CALLS = {
+    "complex_all_reduce_sum": (None, _COMPLEX_SUM, None, _COMPLEX_SUM),
+    "complex_all_reduce_avg": (None, [[1.0, 2.0], [-0.5, 0.5]], None, [[1.0, 2.0], [-0.5, 0.5]]),
+    "complex_all_reduce_max": ("ValueError", [
+        "all_reduce does not support op=<RedOpType.MAX: 4> on complex tensors",
+        "tensor has dtype torch.complex64", "use ReduceOp.SUM or ReduceOp.AVG"],
+        "ValueError", "all_reduce does not support RedOpType.MAX on complex tensors"),
+    "complex_broadcast": (None, [[1.0, 2.0], [-1.0, 1.0]], None, [[1.0, 2.0], [-1.0, 1.0]]),
+    "complex_all_gather": (None, [[1.0, 2.0], [0.0, 0.0], [1.0, 2.0], [-1.0, 1.0]],
+                           None, [[1.0, 2.0], [0.0, 0.0], [1.0, 2.0], [-1.0, 1.0]]),
+    "complex_reduce_scatter_sum": (None, _COMPLEX_SUM, None, _COMPLEX_SUM),
+    "complex_conj_view": ("RuntimeError", ["tensor is a conjugate view",
+                                           "pass tensor.resolve_conj() and copy back"],
+                          "RuntimeError", "view_as_real doesn't work on unresolved conjugated"),
     "wait_timeout_zero_late_peer": (None, [True, [3.0, 3.0, 3.0, 3.0]],
                                     None, [True, [3.0, 3.0, 3.0, 3.0]]),
     "wait_timeout_str": ("TypeError", ["timeout must be None, a number of seconds or a "

@@ -54,7 +54,34 @@ def call_cases(impl):
             return tensor.tolist()
         return call
 
+    def complex_call(kind, op=None):
+        def call():
+            tensor = torch.tensor([1 + 2j, rank * 1j - rank], dtype=torch.complex64)
+            if kind == "all_reduce":
+                api.all_reduce(tensor, **({} if op is None else {"op": op}))
+                result = tensor
+            elif kind == "broadcast":
+                api.broadcast(tensor, 1)
+                result = tensor
+            elif kind == "all_gather":
+                result = torch.empty(2 * world_size, dtype=torch.complex64)
+                api.all_gather_into_tensor(result, tensor)
+            else:   # each rank's block, gathered so every rank reports the whole result
+                block = torch.empty(1, dtype=torch.complex64)
+                api.reduce_scatter_tensor(block, tensor, **({} if op is None else {"op": op}))
+                result = torch.empty(world_size, dtype=torch.complex64)
+                api.all_gather_into_tensor(result, block)
+            return [[z.real, z.imag] for z in result.tolist()]
+        return call
+
     cases = {
+        "complex_all_reduce_sum": complex_call("all_reduce"),
+        "complex_all_reduce_avg": complex_call("all_reduce", api.ReduceOp.AVG),
+        "complex_all_reduce_max": complex_call("all_reduce", api.ReduceOp.MAX),
+        "complex_broadcast": complex_call("broadcast"),
+        "complex_all_gather": complex_call("all_gather"),
+        "complex_reduce_scatter_sum": complex_call("reduce_scatter"),
+        "complex_conj_view": lambda: api.all_reduce(torch.ones(2, dtype=torch.complex64).conj()),
         "wait_timeout_zero_late_peer": waited(datetime.timedelta(0), late=0.5),
         "wait_timeout_str": waited("5"),
         "wait_timeout_negative": waited(datetime.timedelta(seconds=-1)),
