@@ -82,6 +82,9 @@ def _check_pair(pg, shard, shard_name, full, full_name):
 
 
 def _issue(pg, op, dtype, redop, input, output, count, root, async_op, stream):
+    if async_op.__class__ is not bool and async_op not in (True, False):
+        # torch raises TypeError too; a truthy string would return a handle nobody waits for.
+        raise TypeError(f"async_op must be a bool, got {async_op!r}")
     if not isinstance(stream, int) or not 0 <= stream < pg.num_streams:
         raise ValueError(f"stream must be an int in [0, {pg.num_streams}) (the group's "
                          f"num_streams; DPTC_STREAMS sets it), got {stream!r}")

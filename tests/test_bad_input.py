@@ -18,6 +18,8 @@ What each case did before it was fixed:
         out!", the collective left running; dptc: DistTimeoutError "did not complete within
         -1.0 s", the group aborted on every rank
     Work.wait(timeout="5")   dptc: TypeError "must be real number, not str" (no argument named)
+    all_reduce(t, async_op="no")   torch: TypeError; dptc returned a handle (the string is
+        truthy), so a caller reading t at once read it before the reduction
     broadcast(src=np.int64(1)) or src=torch.tensor(1)   torch accepts them; dptc: ValueError
     broadcast(src=0.5 / "1"), group_src=1.0   torch: TypeError; dptc: ValueError
     DDP, fully_shard and FSDP1 over models that differ between ranks in shapes or order but
@@ -83,6 +85,8 @@ CALLS = {
                               "RuntimeError", "Operation timed out!"),
     "wait_timeout_nan": ("ValueError", ["timeout must be between 0 and 1e9 seconds", "got nan"],
                          "RuntimeError", "Operation timed out!"),
+    "async_op_str": ("TypeError", ["async_op must be a bool, got 'no'"],
+                     "TypeError", "incompatible function arguments"),
     "src_numpy_int": (None, [11.0, 11.0, 11.0], None, [11.0, 11.0, 11.0]),
     "src_0dim_tensor": (None, [11.0, 11.0, 11.0], None, [11.0, 11.0, 11.0]),
     "src_float": ("TypeError", ["src must be a global rank (an int)", "got 0.5"],

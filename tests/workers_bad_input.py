@@ -86,6 +86,7 @@ def call_cases(impl):
         "wait_timeout_str": waited("5"),
         "wait_timeout_negative": waited(datetime.timedelta(seconds=-1)),
         "wait_timeout_nan": waited(float("nan")),
+        "async_op_str": lambda: repr(api.all_reduce(torch.ones(3), async_op="no")),
         "src_numpy_int": broadcast_from(src=np.int64(1)),
         "src_0dim_tensor": broadcast_from(src=torch.tensor(1)),
         "src_float": broadcast_from(src=0.5),
