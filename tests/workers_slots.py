@@ -12,7 +12,6 @@ their distance from the math or from single-process training, and how many fills
 
 from __future__ import annotations
 
-import copy
 import hashlib
 
 import torch
@@ -176,41 +175,15 @@ def collectives(seed: int, sentinel=None, groups=None):
     return {"failures": failures, "digests": digests, "fills": fills, "issued": staged}
 
 
-def _mlp(seed):
-    torch.manual_seed(seed)
-    # 1.6 M parameters, 6.3 MiB of gradients: buckets of 1 MiB and 5.3 MiB, both staged in
-    # rounds.
-    return torch.nn.Sequential(torch.nn.Linear(96, 1024), torch.nn.GELU(),
-                               torch.nn.Linear(1024, 1024), torch.nn.GELU(),
-                               torch.nn.Linear(1024, 513), torch.nn.GELU(),
-                               torch.nn.Linear(513, 10))
-
-
 def ddp(seed: int, steps: int, sentinel=None):
     """dptc's DDP (buffers broadcast, gradients all-reduced as pieces during backward) trains
     an MLP for `steps` SGD steps beside a single-process copy on the whole batch.  Returns the
     parameters' digest, their largest relative difference from the copy, and the fills."""
     import dptc
+    from tests.workers_staging import train_ddp_beside_single
     engines = _Engines(sentinel)
     dptc.init_process_group()
-    rank, size = dptc.get_rank(), dptc.get_world_size()
-    reference = _mlp(seed)
-    model = dptc.DistributedDataParallel(copy.deepcopy(reference))
-    optimizers = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, reference)]
-    per_rank = 4
-    for step in range(steps):
-        generator = torch.Generator().manual_seed(seed * 7919 + step)
-        inputs = torch.randn(per_rank * size, 96, generator=generator)
-        targets = torch.randint(10, (per_rank * size,), generator=generator)
-        mine = slice(rank * per_rank, (rank + 1) * per_rank)
-        for optimizer in optimizers:
-            optimizer.zero_grad()
-        torch.nn.functional.cross_entropy(model(inputs[mine]), targets[mine]).backward()
-        torch.nn.functional.cross_entropy(reference(inputs), targets).backward()
-        for optimizer in optimizers:
-            optimizer.step()
-    worst = max(((got - want).abs().max() / want.abs().max()).item()
-                for got, want in zip(model.module.parameters(), reference.parameters()))
+    model, worst = train_ddp_beside_single(seed, steps)
     result = {"digest": _digest(model.module.parameters()), "max_rel": worst,
               "fills": engines.count()}
     dptc.destroy_process_group()

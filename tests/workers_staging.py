@@ -121,13 +121,12 @@ def _digest(module):
     return digest.hexdigest()
 
 
-def ddp_training(seed: int, steps: int):
-    """dptc's DDP (gradients all-reduced where autograd left them, as pieces) trains an MLP for
+def train_ddp_beside_single(seed: int, steps: int):
+    """dptc's DDP (gradients all-reduced where autograd left them, as pieces) trains _model for
     `steps` SGD steps on this rank's slice of a global batch, beside a single-process copy on
-    the whole batch.  Returns the parameters' digest, their largest relative difference from
-    the single-process copy, and how the collectives were staged."""
+    the whole batch.  Returns the DDP model and the parameters' largest relative difference
+    from the copy.  dptc must be initialised."""
     import dptc
-    dptc.init_process_group()
     rank, size = dptc.get_rank(), dptc.get_world_size()
     reference = _model(seed)
     model = dptc.DistributedDataParallel(copy.deepcopy(reference))
@@ -146,9 +145,17 @@ def ddp_training(seed: int, steps: int):
         torch.nn.functional.cross_entropy(reference(inputs), targets).backward()
         for optimizer in optimizers:
             optimizer.step()
-    worst = 0.0
-    for got, want in zip(model.module.parameters(), reference.parameters()):
-        worst = max(worst, ((got - want).abs().max() / want.abs().max()).item())
+    worst = max(((got - want).abs().max() / want.abs().max()).item()
+                for got, want in zip(model.module.parameters(), reference.parameters()))
+    return model, worst
+
+
+def ddp_training(seed: int, steps: int):
+    """train_ddp_beside_single: the parameters' digest, their largest relative difference from
+    the single-process copy, and how the collectives were staged."""
+    import dptc
+    dptc.init_process_group()
+    model, worst = train_ddp_beside_single(seed, steps)
     result = {"digest": _digest(model.module), "max_rel": worst, "stagings": _stagings()}
     dptc.destroy_process_group()
     return result
