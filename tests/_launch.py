@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-__all__ = ["REPO_ROOT", "run_ranks", "run_torchrun_nodes", "run_python", "free_port",
+__all__ = ["REPO_ROOT", "run_ranks", "launch_once", "run_torchrun_nodes", "run_python", "free_port",
            "rank_env"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -716,3 +716,17 @@ def run_python(args: list, *, env: dict | None = None, timeout: float = 90) -> t
     """
     return _run_processes([args], env, timeout, None, (signal.SIGUSR1, STACK_DUMP_WAIT_S),
                           f"python {' '.join(map(str, args))}")[0]
+
+
+def launch_once(cache: dict, key, target: str, world_size: int, **kwargs):
+    """run_ranks(target, world_size, **kwargs) once per key of `cache`, for the tests that
+    read one launch's results; a failed launch fails every test that reads it."""
+    if key not in cache:
+        try:
+            cache[key] = run_ranks(target, world_size, **kwargs)
+        except AssertionError as error:
+            cache[key] = error
+    outcome = cache[key]
+    if isinstance(outcome, AssertionError):
+        raise AssertionError(f"the {key} launch failed:\n{outcome}")
+    return outcome

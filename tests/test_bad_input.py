@@ -53,7 +53,7 @@ What each case did before it was fixed:
 
 import pytest
 
-from tests._launch import run_ranks
+from tests._launch import launch_once, run_ranks
 
 RUN_TIMEOUT_S = 150
 
@@ -164,16 +164,7 @@ _launches = {}
 
 
 def _launch(key, target, **kwargs):
-    """run_ranks once per key; a failed launch fails every test that reads it."""
-    if key not in _launches:
-        try:
-            _launches[key] = run_ranks(target, 2, timeout=RUN_TIMEOUT_S, **kwargs)
-        except AssertionError as error:
-            _launches[key] = error
-    outcome = _launches[key]
-    if isinstance(outcome, AssertionError):
-        raise AssertionError(f"the {key} launch failed:\n{outcome}")
-    return outcome
+    return launch_once(_launches, key, target, 2, timeout=RUN_TIMEOUT_S, **kwargs)
 
 
 def _check(outcome, error_type, expected):

@@ -45,7 +45,7 @@ import math
 
 import pytest
 
-from tests._launch import run_ranks
+from tests._launch import launch_once, run_ranks
 
 RUN_TIMEOUT_S = 120
 DPTC_TIMEOUT_S = 30
@@ -118,16 +118,7 @@ _launches = {}
 
 
 def _launch(key, target, world_size, **kwargs):
-    """run_ranks once per key; a failed launch fails every test that reads it."""
-    if key not in _launches:
-        try:
-            _launches[key] = run_ranks(target, world_size, timeout=RUN_TIMEOUT_S, **kwargs)
-        except AssertionError as error:
-            _launches[key] = error
-    outcome = _launches[key]
-    if isinstance(outcome, AssertionError):
-        raise AssertionError(f"the {key} launch failed:\n{outcome}")
-    return outcome
+    return launch_once(_launches, key, target, world_size, timeout=RUN_TIMEOUT_S, **kwargs)
 
 
 def _validation():
