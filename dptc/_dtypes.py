@@ -64,6 +64,10 @@ _REDOPS = [
 
 
 def redop_code(op, dtype, argname="op"):
+    if not isinstance(op, dist.ReduceOp):
+        # ReduceOp.SUM == 0 holds, so a bare int would pass the lookup; torch refuses it.
+        raise TypeError(f"{argname} must be a torch.distributed.ReduceOp (dptc.ReduceOp), got "
+                        f"{type(op).__name__} {op!r}; pass e.g. ReduceOp.SUM")
     for torch_op, code in _REDOPS:
         if op == torch_op:
             break

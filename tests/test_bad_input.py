@@ -87,6 +87,9 @@ CALLS = {
                          "RuntimeError", "Operation timed out!"),
     "async_op_str": ("TypeError", ["async_op must be a bool, got 'no'"],
                      "TypeError", "incompatible function arguments"),
+    "op_int": ("TypeError", ["op must be a torch.distributed.ReduceOp (dptc.ReduceOp), got "
+                             "int 0", "pass e.g. ReduceOp.SUM"],
+               "TypeError", "incompatible function arguments"),
     "src_numpy_int": (None, [11.0, 11.0, 11.0], None, [11.0, 11.0, 11.0]),
     "src_0dim_tensor": (None, [11.0, 11.0, 11.0], None, [11.0, 11.0, 11.0]),
     "src_float": ("TypeError", ["src must be a global rank (an int)", "got 0.5"],

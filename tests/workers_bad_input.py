@@ -87,6 +87,7 @@ def call_cases(impl):
         "wait_timeout_negative": waited(datetime.timedelta(seconds=-1)),
         "wait_timeout_nan": waited(float("nan")),
         "async_op_str": lambda: repr(api.all_reduce(torch.ones(3), async_op="no")),
+        "op_int": lambda: repr(api.all_reduce(torch.ones(3), op=0)),
         "src_numpy_int": broadcast_from(src=np.int64(1)),
         "src_0dim_tensor": broadcast_from(src=torch.tensor(1)),
         "src_float": broadcast_from(src=0.5),
