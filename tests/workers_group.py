@@ -111,21 +111,8 @@ def forked_child_leaves(how: str):
                     atexit._run_exitfuncs()
             finally:
                 os._exit(0)
-        deadline = time.monotonic() + 30
-        while True:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                result["child"] = os.waitstatus_to_exitcode(status)
-                break
-            if time.monotonic() > deadline:
-                os.kill(pid, 9)
-                os.waitpid(pid, 0)
-                result["child"] = "hung for 30 s"
-                break
-            time.sleep(0.02)
-    t = torch.full((8,), float(rank + 1))
-    dptc.all_reduce(t)
-    result["sums"].append(t[0].item())
+        result["child"] = _wait_child(pid, 30)
+    result["sums"].append(_sum_after(rank))
     return result
 
 
@@ -152,20 +139,23 @@ def forked_child_drops_a_work(late: float):
             gc.collect()
         finally:
             os._exit(0)
-    deadline = time.monotonic() + 60
+    child = _wait_child(pid, 60)
+    work.wait()
+    return {"sums": [t[0].item(), _sum_after(rank)], "child": child, "pending_at_fork": pending}
+
+
+def _wait_child(pid, seconds):
+    """The forked child's exit status, or "hung for <seconds> s" after killing it then."""
+    deadline = time.monotonic() + seconds
     while True:
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
-            child = os.waitstatus_to_exitcode(status)
-            break
+            return os.waitstatus_to_exitcode(status)
         if time.monotonic() > deadline:
             os.kill(pid, 9)
             os.waitpid(pid, 0)
-            child = "hung for 60 s"
-            break
+            return f"hung for {seconds} s"
         time.sleep(0.02)
-    work.wait()
-    return {"sums": [t[0].item(), _sum_after(rank)], "child": child, "pending_at_fork": pending}
 
 
 def _sum_after(rank):
