@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-__all__ = ["REPO_ROOT", "run_ranks", "launch_once", "run_torchrun_nodes", "run_python", "free_port",
+__all__ = ["REPO_ROOT", "run_ranks", "once", "run_torchrun_nodes", "run_python", "free_port",
            "rank_env"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -718,15 +718,18 @@ def run_python(args: list, *, env: dict | None = None, timeout: float = 90) -> t
                           f"python {' '.join(map(str, args))}")[0]
 
 
-def launch_once(cache: dict, key, target: str, world_size: int, **kwargs):
-    """run_ranks(target, world_size, **kwargs) once per key of `cache`, for the tests that
-    read one launch's results; a failed launch fails every test that reads it."""
+def once(cache: dict, key, launch, what: str | None = None):
+    """launch() once per key of `cache`, for the tests that read one launch's results.  A
+    failed launch (AssertionError) is remembered, so that every test that reads it fails
+    without running it again: with its own error, or as "<what> failed:" and that error."""
     if key not in cache:
         try:
-            cache[key] = run_ranks(target, world_size, **kwargs)
+            cache[key] = launch()
         except AssertionError as error:
             cache[key] = error
     outcome = cache[key]
     if isinstance(outcome, AssertionError):
-        raise AssertionError(f"the {key} launch failed:\n{outcome}")
+        if what is None:
+            raise outcome
+        raise AssertionError(f"{what} failed:\n{outcome}")
     return outcome

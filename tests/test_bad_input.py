@@ -53,7 +53,7 @@ What each case did before it was fixed:
 
 import pytest
 
-from tests._launch import launch_once, run_ranks
+from tests._launch import once, run_ranks
 
 RUN_TIMEOUT_S = 150
 
@@ -112,7 +112,8 @@ CALLS = {
                                 "ValueError", "trying to initialize the default process group "
                                               "twice!"),
     "init_again_other_timeout": ("ValueError", [
-        "init_process_group(timeout=datetime.timedelta(seconds=5))", "already initialised with timeout 30.0",
+        "init_process_group(timeout=datetime.timedelta(seconds=5))",
+        "already initialised with timeout 30.0",
         "call init_process_group before any other dptc call"],
         "ValueError", "trying to initialize the default process group twice!"),
     "init_again_nccl": ("ValueError", ["backend must be None, 'dptc' or 'gloo', got 'nccl'"],
@@ -167,7 +168,8 @@ _launches = {}
 
 
 def _launch(key, target, **kwargs):
-    return launch_once(_launches, key, target, 2, timeout=RUN_TIMEOUT_S, **kwargs)
+    return once(_launches, key, lambda: run_ranks(target, 2, timeout=RUN_TIMEOUT_S, **kwargs),
+                f"the {key} launch")
 
 
 def _check(outcome, error_type, expected):

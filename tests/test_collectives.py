@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests._launch import run_ranks, run_torchrun_nodes
+from tests._launch import once, run_ranks, run_torchrun_nodes
 
 WORLD_SIZES = (1, 2, 3, 4)
 SEED = 1234
@@ -33,17 +33,10 @@ def _sweep(impl, world_size):
 
     A failed run is remembered too, so the second test reports it without running it again.
     """
-    key = (impl, world_size)
-    if key not in _sweeps:
-        try:
-            _sweeps[key] = run_ranks("tests.workers_collectives:sweep", world_size,
-                                     args={"impl": impl, "seed": SEED, "large": True},
-                                     timeout=SWEEP_TIMEOUT_S, reference=impl == "torch")
-        except AssertionError as error:
-            _sweeps[key] = error
-    if isinstance(_sweeps[key], AssertionError):
-        raise _sweeps[key]
-    return _sweeps[key]
+    return once(_sweeps, (impl, world_size),
+                lambda: run_ranks("tests.workers_collectives:sweep", world_size,
+                                  args={"impl": impl, "seed": SEED, "large": True},
+                                  timeout=SWEEP_TIMEOUT_S, reference=impl == "torch"))
 
 
 def _failures(results, section):

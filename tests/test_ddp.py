@@ -39,7 +39,7 @@ import dataclasses
 import pytest
 import torch
 
-from tests._launch import run_ranks
+from tests._launch import once, run_ranks
 
 IMPLS = ("torch", "dptc")
 RANK_AGREEMENT = 1e-6
@@ -143,18 +143,12 @@ def _launch_plan(impl, group):
 def _group_results(impl, group):
     """Per-rank {scenario: result} for one launch, run on first use and cached for the module."""
     key, world_size, scenarios, init_torch = _launch_plan(impl, group)
-    if key not in _launches:
-        try:
-            _launches[key] = run_ranks(
-                "tests.workers_ddp:train_cases", world_size,
-                args={"impl": impl, "scenarios": scenarios, "init_torch": init_torch},
-                timeout=LAUNCH_TIMEOUT_S, reference=impl == "torch")
-        except AssertionError as error:
-            _launches[key] = error
-    outcome = _launches[key]
-    if isinstance(outcome, AssertionError):
-        raise AssertionError(f"the {impl} launch for group {group!r} failed:\n{outcome}")
-    return outcome
+    return once(_launches, key,
+                lambda: run_ranks(
+                    "tests.workers_ddp:train_cases", world_size,
+                    args={"impl": impl, "scenarios": scenarios, "init_torch": init_torch},
+                    timeout=LAUNCH_TIMEOUT_S, reference=impl == "torch"),
+                f"the {impl} launch for group {group!r}")
 
 
 def _scenario_results(impl, group, name):

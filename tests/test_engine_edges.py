@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from tests._launch import run_ranks
+from tests._launch import once, run_ranks
 
 # Seconds of scheduling noise a bound allows on a loaded 2-core machine.
 SLACK_S = 1.0
@@ -32,18 +32,12 @@ _give_up_runs = {}
 def _give_up_results(tmp_path_factory):
     """The results of the give-up run, run once and shared by the two tests below (a failed run
     is remembered too, so the second test reports it without running it again)."""
-    if "run" not in _give_up_runs:
+    def launch():
         flag_dir = tmp_path_factory.mktemp("give-up")
-        try:
-            _give_up_runs["run"] = run_ranks(
-                "tests.workers_edges:wait_gives_up", 2,
-                args={"flag_dir": str(flag_dir), "late_s": LATE_S, "count": 100_000},
-                env={"DPTC_TIMEOUT": GIVE_UP_DPTC_TIMEOUT}, timeout=60)
-        except AssertionError as error:
-            _give_up_runs["run"] = error
-    if isinstance(_give_up_runs["run"], AssertionError):
-        raise _give_up_runs["run"]
-    return _give_up_runs["run"]
+        return run_ranks("tests.workers_edges:wait_gives_up", 2,
+                         args={"flag_dir": str(flag_dir), "late_s": LATE_S, "count": 100_000},
+                         env={"DPTC_TIMEOUT": GIVE_UP_DPTC_TIMEOUT}, timeout=60)
+    return once(_give_up_runs, "run", launch)
 
 
 def test_wait_that_gives_up_leaves_no_work_behind(tmp_path_factory):

@@ -17,7 +17,7 @@ import torch
 import re
 from pathlib import Path
 
-from tests._launch import run_ranks, run_torchrun_nodes
+from tests._launch import once, run_ranks, run_torchrun_nodes
 
 LAUNCH_TIMEOUT_S = 240
 
@@ -59,19 +59,11 @@ _launches = {}
 
 def _results(impl, world_size, nnodes=1):
     key = (impl, world_size, nnodes)
-    if key not in _launches:
-        try:
-            _launches[key] = run_ranks("tests.workers_fsdp:train_cases", world_size,
-                                       args={"impl": impl, "scenarios": PLAN[key]},
-                                       nnodes=nnodes, timeout=LAUNCH_TIMEOUT_S,
-                                       reference=impl == "torch")
-        except AssertionError as error:
-            _launches[key] = error
-    outcome = _launches[key]
-    if isinstance(outcome, AssertionError):
-        raise AssertionError(f"the {impl} launch at {world_size} ranks on {nnodes} node(s) "
-                             f"failed:\n{outcome}")
-    return outcome
+    return once(_launches, key,
+                lambda: run_ranks("tests.workers_fsdp:train_cases", world_size,
+                                  args={"impl": impl, "scenarios": PLAN[key]}, nnodes=nnodes,
+                                  timeout=LAUNCH_TIMEOUT_S, reference=impl == "torch"),
+                f"the {impl} launch at {world_size} ranks on {nnodes} node(s)")
 
 
 def _scenario(impl, world_size, name, must_pass=True, nnodes=1):

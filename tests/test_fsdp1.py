@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests._compare import max_rel
-from tests._launch import run_ranks
+from tests._launch import once, run_ranks
 from tests.test_fsdp import two_node_rels
 
 LAUNCH_TIMEOUT_S = 240
@@ -29,16 +29,7 @@ _launches = {}
 
 
 def _once(key, launch):
-    """launch() once per key, for every test that reads its results; a failed launch fails
-    each of them."""
-    if key not in _launches:
-        try:
-            _launches[key] = launch()
-        except AssertionError as error:
-            _launches[key] = error
-    if isinstance(_launches[key], AssertionError):
-        raise _launches[key]
-    return _launches[key]
+    return once(_launches, key, launch)
 
 
 def _results(impl, world_size, nnodes):

@@ -32,7 +32,7 @@ import pytest
 import torch
 
 from examples.gpt import build_gpt
-from tests._launch import run_ranks
+from tests._launch import once, run_ranks
 from tests.workers_fsdp_checkpoint import STEPS_AFTER, STEPS_BEFORE, max_rel_by_key
 
 LAUNCH_TIMEOUT_S = 240
@@ -61,25 +61,18 @@ class _Launches:
         self.outcomes = {}
 
     def get(self, impl, world_size):
-        key = (impl, world_size)
-        if key not in self.outcomes:
-            phases, needs = LAUNCHES[key]
+        def launch():
+            phases, needs = LAUNCHES[(impl, world_size)]
             for need in needs:
                 try:
                     self.get(*need)
                 except AssertionError:
                     pass    # its files are missing: the phases that read them say so
-            try:
-                self.outcomes[key] = run_ranks(
-                    TARGET, world_size, args={"impl": impl, "root": str(self.root),
-                                              "phases": phases},
-                    timeout=LAUNCH_TIMEOUT_S, reference=impl == "torch")
-            except AssertionError as error:
-                self.outcomes[key] = error
-        outcome = self.outcomes[key]
-        if isinstance(outcome, AssertionError):
-            raise AssertionError(f"the {impl} launch at {world_size} ranks failed:\n{outcome}")
-        return outcome
+            return run_ranks(TARGET, world_size, args={"impl": impl, "root": str(self.root),
+                                                       "phases": phases},
+                             timeout=LAUNCH_TIMEOUT_S, reference=impl == "torch")
+        return once(self.outcomes, (impl, world_size), launch,
+                    f"the {impl} launch at {world_size} ranks")
 
     def phase(self, impl, world_size, name):
         """The phase's result on every rank; fails with the rank's traceback if it raised."""

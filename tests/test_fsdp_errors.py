@@ -45,7 +45,7 @@ import math
 
 import pytest
 
-from tests._launch import launch_once, run_ranks
+from tests._launch import once, run_ranks
 
 RUN_TIMEOUT_S = 120
 DPTC_TIMEOUT_S = 30
@@ -118,7 +118,9 @@ _launches = {}
 
 
 def _launch(key, target, world_size, **kwargs):
-    return launch_once(_launches, key, target, world_size, timeout=RUN_TIMEOUT_S, **kwargs)
+    return once(_launches, key,
+                lambda: run_ranks(target, world_size, timeout=RUN_TIMEOUT_S, **kwargs),
+                f"the {key} launch")
 
 
 def _validation():

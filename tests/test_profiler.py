@@ -9,27 +9,22 @@ and that dptc opens no range at all while no profiler records.
 
 import pytest
 
-from tests._launch import run_ranks
+from tests._launch import once, run_ranks
 from tests.workers_profiler import DDP_LAYERS, FSDP_BLOCKS, PROFILED_RUNS, SCENARIOS
 
 WORLD_SIZE = 2
 LAUNCH_TIMEOUT_S = 120
 
-_launch = []
+_launches = {}
 
 
 def _results(name):
     """Per rank, the result of scenario `name` (one launch for the whole file)."""
-    if not _launch:
-        try:
-            _launch.append(run_ranks("tests.workers_profiler:profile_cases", WORLD_SIZE,
+    outcome = once(_launches, "profile",
+                   lambda: run_ranks("tests.workers_profiler:profile_cases", WORLD_SIZE,
                                      args={"scenarios": list(SCENARIOS)},
-                                     timeout=LAUNCH_TIMEOUT_S))
-        except AssertionError as error:
-            _launch.append(error)
-    outcome = _launch[0]
-    if isinstance(outcome, AssertionError):
-        raise AssertionError(f"the profiler launch failed:\n{outcome}")
+                                     timeout=LAUNCH_TIMEOUT_S),
+                   "the profiler launch")
     per_rank = [ranks[name] for ranks in outcome]
     for rank, result in enumerate(per_rank):
         assert "error" not in result, f"{name} raised on rank {rank}:\n{result['error']}"

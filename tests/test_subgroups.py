@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests._launch import run_ranks, run_torchrun_nodes
+from tests._launch import once, run_ranks, run_torchrun_nodes
 
 SEED = 11
 LAUNCH_TIMEOUT_S = 120
@@ -39,24 +39,17 @@ _runs = {}
 def _launch(impl, nnodes=1):
     """One node: every group check and the DDP check (workers_subgroups.all_checks), one launch.
     Two simulated nodes: the group checks on the own groups, with the node layout."""
-    key = (impl, nnodes)
-    if key not in _runs:
-        if nnodes == 1:
-            target = "tests.workers_subgroups:all_checks"
-            args = {"impl": impl, "sources": list(SOURCES[impl]),
-                    "ddp_kinds": list(DDP_KINDS[impl]), "seed": SEED}
-        else:
-            target = "tests.workers_subgroups:subgroup_checks"
-            args = {"impl": impl, "sources": ["own"], "seed": SEED, "layout": True}
-        try:
-            _runs[key] = run_ranks(target, 4, nnodes=nnodes, args=args,
-                                   env={"DPTC_TIMEOUT": str(DPTC_TIMEOUT_S)},
-                                   timeout=LAUNCH_TIMEOUT_S)
-        except AssertionError as error:
-            _runs[key] = error
-    if isinstance(_runs[key], AssertionError):
-        raise _runs[key]
-    return _runs[key]
+    if nnodes == 1:
+        target = "tests.workers_subgroups:all_checks"
+        args = {"impl": impl, "sources": list(SOURCES[impl]),
+                "ddp_kinds": list(DDP_KINDS[impl]), "seed": SEED}
+    else:
+        target = "tests.workers_subgroups:subgroup_checks"
+        args = {"impl": impl, "sources": ["own"], "seed": SEED, "layout": True}
+    return once(_runs, (impl, nnodes),
+                lambda: run_ranks(target, 4, nnodes=nnodes, args=args,
+                                  env={"DPTC_TIMEOUT": str(DPTC_TIMEOUT_S)},
+                                  timeout=LAUNCH_TIMEOUT_S))
 
 
 def _group_results(impl, nnodes=1):
@@ -186,16 +179,10 @@ _streams = {}
 
 
 def _stream_run():
-    if "run" not in _streams:
-        try:
-            _streams["run"] = run_ranks("tests.workers_subgroups:stream_checks", 2,
-                                        args={"impl": "dptc"},
-                                        env={"DPTC_TIMEOUT": "20"}, timeout=90)
-        except AssertionError as error:
-            _streams["run"] = error
-    if isinstance(_streams["run"], AssertionError):
-        raise _streams["run"]
-    return _streams["run"]
+    return once(_streams, "run",
+                lambda: run_ranks("tests.workers_subgroups:stream_checks", 2,
+                                  args={"impl": "dptc"}, env={"DPTC_TIMEOUT": "20"},
+                                  timeout=90))
 
 
 @pytest.mark.parametrize("section", ["attributes", "held", "concurrent", "bad_stream",

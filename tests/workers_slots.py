@@ -128,13 +128,15 @@ def _run_cases(dptc, group, members, seed, failures, digests):
         n = len(inputs[0])
         outputs = [torch.empty(size * k, dtype=dtype) for k in (n // 2, n - n // 2)]
         dptc.all_gather_into_tensors(outputs, inputs[rank], group=group, stream=stream)
-        expected = [torch.cat([x[:n // 2] for x in inputs]), torch.cat([x[n // 2:] for x in inputs])]
+        expected = [torch.cat([x[:n // 2] for x in inputs]),
+                    torch.cat([x[n // 2:] for x in inputs])]
         check(f"all_gather_into_tensors {label}", torch.cat(outputs), torch.cat(expected))
         inputs = draw((count // size + 1) * size, dtype)
         for repeat in range(2):
             got = torch.empty(len(inputs[0]) // size, dtype=dtype)
             dptc.reduce_scatter_tensor(got, inputs[rank], group=group, stream=stream)
-            check(f"reduce_scatter {label} #{repeat}", got, _sum(inputs, group.local_size).chunk(size)[rank])
+            check(f"reduce_scatter {label} #{repeat}", got,
+                  _sum(inputs, group.local_size).chunk(size)[rank])
         inputs = draw(count, dtype)
         for root in (members[0], members[-1]):
             for repeat in range(2):
