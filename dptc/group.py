@@ -683,11 +683,7 @@ def new_group(ranks=None, timeout=None, backend=None, pg_options=None,
     world = default_group()
     if backend not in (None, "dptc", "gloo", "cpu:gloo"):
         raise ValueError(f"backend must be None, 'dptc' or 'gloo', got {backend!r}")
-    listed = None if ranks is None else _iterable(ranks, "ranks")
-    if listed is not None and (isinstance(ranks, (str, bytes)) or not all(
-            isinstance(r, int) and not isinstance(r, bool) for r in listed)):
-        raise TypeError(f"ranks must be None or a list of global ranks (ints), got {ranks!r}")
-    members = list(range(world.size)) if ranks is None else sorted(listed)
+    members = list(range(world.size)) if ranks is None else sorted(_rank_list(ranks))
     if len(set(members)) != len(members):
         raise ValueError(f"ranks must not repeat a rank, got {ranks}")
     for r in members:
@@ -711,12 +707,16 @@ def new_group(ranks=None, timeout=None, backend=None, pg_options=None,
     return group
 
 
-def _iterable(value, argname):
+def _rank_list(ranks):
+    """new_group's ranks as a list of ints; TypeError naming the argument for anything else (an
+    int, a string, a list holding floats or bools)."""
     try:
-        return list(value)
+        listed = None if isinstance(ranks, (str, bytes)) else list(ranks)
     except TypeError:
-        raise TypeError(f"{argname} must be None or a list of global ranks (ints), got "
-                        f"{value!r}") from None
+        listed = None
+    if listed is None or not all(isinstance(r, int) and not isinstance(r, bool) for r in listed):
+        raise TypeError(f"ranks must be None or a list of global ranks (ints), got {ranks!r}")
+    return listed
 
 
 def is_initialized():
