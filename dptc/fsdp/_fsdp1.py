@@ -34,7 +34,7 @@ from .. import group as _group_module
 from ..group import default_group
 from ._api import MixedPrecisionPolicy
 from ._comm_hooks import resolve as resolve_comm_hook
-from ._fully_shard import FSDPModule, fully_shard
+from ._fully_shard import FSDPModule, copy_as_object, fully_shard
 from ._wrap import _Policy, policy_targets
 
 __all__ = ["FullyShardedDataParallel", "ShardingStrategy", "BackwardPrefetch", "MixedPrecision",
@@ -467,9 +467,7 @@ class FullyShardedDataParallel(nn.Module):
             "rank0_only=True)): torch.save(model.state_dict(), path), or "
             "torch.distributed.checkpoint; load it into a model built and wrapped the same way")
 
-    def __copy__(self):
-        import copy
-        return copy._reconstruct(self, None, *object.__reduce_ex__(self, 4))
+    __copy__ = copy_as_object
 
     @property
     def module(self):

@@ -29,6 +29,13 @@ _FSDP_CLASSES = {}
 _default_mesh = {}                  # device type -> the mesh over every rank
 
 
+def copy_as_object(module):
+    """copy.copy of a sharded module, whose __reduce_ex__ raises (see [Note: copies of a
+    sharded module]): the shallow copy object's own reduction makes, as under torch."""
+    import copy
+    return copy._reconstruct(module, None, *object.__reduce_ex__(module, 4))
+
+
 class FSDPModule(_TorchFSDPModule):
     """Mixed into every module fully_shard is applied to: ``FSDP<Name>`` subclasses both this
     and the module's own class, so ``isinstance(model, Transformer)`` still holds.
@@ -88,9 +95,7 @@ class FSDPModule(_TorchFSDPModule):
             f"model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)), "
             f"path) on rank 0, loaded into a model built and sharded the same way")
 
-    def __copy__(self):
-        import copy
-        return copy._reconstruct(self, None, *object.__reduce_ex__(self, 4))
+    __copy__ = copy_as_object
 
     def _subtree_states(self):
         states = {}
