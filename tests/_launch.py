@@ -33,8 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
-__all__ = ["REPO_ROOT", "run_ranks", "once", "run_torchrun_nodes", "run_python", "free_port",
-           "rank_env"]
+__all__ = ["REPO_ROOT", "run_ranks", "once", "run_torch_then_dptc", "run_torchrun_nodes",
+           "run_python", "free_port", "rank_env"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -733,3 +733,16 @@ def once(cache: dict, key, launch, what: str | None = None):
             raise outcome
         raise AssertionError(f"{what} failed:\n{outcome}")
     return outcome
+
+
+def run_torch_then_dptc(target: str, world_size: int, args: dict, timeout: float,
+                        dptc_args: dict | None = None):
+    """(torch's results, dptc's) of target at world_size ranks: torch's run first, as a
+    reference (judged by what it reported, see run_ranks), with args plus impl="torch", then
+    dptc's with dptc_args (default: the same args) plus impl="dptc"."""
+    theirs = run_ranks(target, world_size, args={"impl": "torch", **args}, timeout=timeout,
+                       reference=True)
+    mine = run_ranks(target, world_size,
+                     args={"impl": "dptc", **(args if dptc_args is None else dptc_args)},
+                     timeout=timeout)
+    return theirs, mine

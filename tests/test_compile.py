@@ -25,7 +25,7 @@ import shutil
 import pytest
 
 from tests._compare import max_rel
-from tests._launch import run_ranks
+from tests._launch import run_torch_then_dptc
 from tests.workers_compile import SCENARIOS
 
 # FSDP1 runs the same forward hooks as fully_shard (fsdp_outer); left to a run by hand.
@@ -47,13 +47,8 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def runs():
-    torch_results = run_ranks("tests.workers_compile:train_cases", WORLD,
-                              args={"impl": "torch", "scenarios": NAMES},
-                              timeout=LAUNCH_TIMEOUT_S, reference=True)
-    dptc_results = run_ranks("tests.workers_compile:train_cases", WORLD,
-                             args={"impl": "dptc", "scenarios": NAMES},
-                             timeout=LAUNCH_TIMEOUT_S)
-    return torch_results, dptc_results
+    return run_torch_then_dptc("tests.workers_compile:train_cases", WORLD, {"scenarios": NAMES},
+                               LAUNCH_TIMEOUT_S)
 
 
 @pytest.mark.parametrize("name", [n for n in NAMES if n not in BEYOND_TORCH])

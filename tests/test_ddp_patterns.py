@@ -41,7 +41,7 @@ Errors, dptc against torch:
 import pytest
 
 from tests._compare import max_rel
-from tests._launch import run_ranks
+from tests._launch import run_ranks, run_torch_then_dptc
 
 WORLD = 2
 LAUNCH_TIMEOUT_S = 180
@@ -62,15 +62,9 @@ FAILING = ["two_backwards_fu", "retain_twice", "retain_twice_fu", "freeze_after"
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("ddp_patterns"))
-    torch_results = run_ranks("tests.workers_ddp_patterns:run_cases", WORLD,
-                              args={"impl": "torch", "cases": TRAINING + FAILING,
-                                    "tmpdir": path},
-                              timeout=LAUNCH_TIMEOUT_S, reference=True)
-    dptc_results = run_ranks("tests.workers_ddp_patterns:run_cases", WORLD,
-                             args={"impl": "dptc", "cases": TRAINING + BEYOND_TORCH,
-                                   "tmpdir": path},
-                             timeout=LAUNCH_TIMEOUT_S)
-    return torch_results, dptc_results
+    return run_torch_then_dptc("tests.workers_ddp_patterns:run_cases", WORLD,
+                               {"cases": TRAINING + FAILING, "tmpdir": path}, LAUNCH_TIMEOUT_S,
+                               dptc_args={"cases": TRAINING + BEYOND_TORCH, "tmpdir": path})
 
 
 @pytest.mark.parametrize("name", TRAINING)

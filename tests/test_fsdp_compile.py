@@ -32,7 +32,7 @@ import shutil
 import pytest
 
 from tests._compare import max_rel
-from tests._launch import run_ranks
+from tests._launch import run_torch_then_dptc
 from tests.workers_fsdp_compile import SCENARIOS
 
 NAMES = list(SCENARIOS)
@@ -60,13 +60,8 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def runs():
-    torch_results = run_ranks("tests.workers_fsdp_compile:train_cases", WORLD,
-                              args={"impl": "torch", "scenarios": NAMES},
-                              timeout=LAUNCH_TIMEOUT_S, reference=True)
-    dptc_results = run_ranks("tests.workers_fsdp_compile:train_cases", WORLD,
-                             args={"impl": "dptc", "scenarios": NAMES},
-                             timeout=LAUNCH_TIMEOUT_S)
-    return torch_results, dptc_results
+    return run_torch_then_dptc("tests.workers_fsdp_compile:train_cases", WORLD,
+                               {"scenarios": NAMES}, LAUNCH_TIMEOUT_S)
 
 
 @pytest.mark.parametrize("name", NAMES)
