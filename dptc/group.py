@@ -27,6 +27,9 @@ import weakref
 
 import torch
 import torch.distributed as dist
+# Before any group exists: its functions' default `group` is the world group at import time,
+# which would then keep it alive past exit ([Note: torch groups at exit]).
+import torch.distributed.nn.functional  # noqa: F401
 
 from . import _C
 from ._dtypes import element_size, torch_dtype, torch_reduce_op
@@ -821,13 +824,38 @@ def _shutdown():
     destroy_process_group()
     if _owns_torch_group and dist.is_initialized():
         dist.destroy_process_group()
-        # The torch groups must go now, while their gloo threads can still take the GIL: one
-        # that drops a finished work's tensors during the interpreter's finalisation makes
-        # libstdc++ abort the process.
         for pg in list(_groups):
             pg.torch_group = None
+        _release_mesh_groups()
         gc.collect()
     _owns_torch_group = False
+
+
+def _release_mesh_groups():
+    """Drops the torch groups every DeviceMesh still holds, so that they are freed now.
+
+    [Note: torch groups at exit]
+    The gloo groups dptc made (the world's, and those of torch.distributed.new_group) must be
+    freed at exit, before the interpreter's finalisation: a gloo worker thread that drops the
+    last reference to a finished work's tensor then needs the GIL, and a thread that asks for
+    it during finalisation is ended by pthread_exit, which libstdc++ turns into an abort
+    ("terminate called without an active exception", SIGABRT after the script's last line).
+    Freeing a group from Python joins its threads with the GIL released, so it is safe here.
+    torch's destroy_process_group forgets its groups, but a DeviceMesh keeps its own
+    references (`_pg_registry`) to them: every fully_shard model has one, so its gloo
+    threads outlived the atexit handlers and aborted the process about once in a few
+    thousand exits.  The groups are destroyed by now, so the meshes lose nothing usable.
+    torch.distributed.nn's functions (imported by torch's FSDP) hold the world group in
+    their default arguments when imported after it was made, so dptc imports them first.
+    """
+    mesh_type = getattr(sys.modules.get("torch.distributed.device_mesh"), "DeviceMesh", None)
+    if mesh_type is None:
+        return
+    for obj in gc.get_objects():
+        if isinstance(obj, mesh_type):
+            registry = getattr(obj, "_pg_registry", None)
+            if isinstance(registry, dict):
+                registry.clear()
 
 
 atexit.register(_shutdown)

@@ -12,8 +12,8 @@ command line).  Both promise the same hygiene, whatever happens:
 
 The rank-side half lives in tests/_rank.py.  Rank processes are forked from tests/_zygote.py,
 which imported torch once, when their environment differs from the harness's only in variables
-read at run time (see _Zygote.unforkable); otherwise, and with DPTC_TEST_ZYGOTE=0, each is a
-fresh `python -m tests._rank`.  Segments of runs that go on concurrently on the same
+read at run time (see _Zygote.unforkable); otherwise, and with DPTC_TEST_ZYGOTE=0 (in the
+harness's environment, or in one run's `env`), each is a fresh `python -m tests._rank`.  Segments of runs that go on concurrently on the same
 machine are told apart from leaks by being mapped or short-lived (see _remove_new_shm); still,
 run the suite serially (no pytest-xdist).
 """
@@ -270,6 +270,8 @@ class _Zygote:
         process sets TORCHINDUCTOR_CACHE_DIR, which it reads at every lookup)."""
         if self.proc.poll() is not None:
             return "the zygote exited"
+        if env.get("DPTC_TEST_ZYGOTE") == "0":
+            return "the run asks for a fresh interpreter (DPTC_TEST_ZYGOTE=0)"
         changed = sorted(key for key in env.keys() | self.env.keys()
                          if env.get(key) != self.env.get(key)
                          and key not in _LAUNCH_VARIABLES and key not in _RUN_TIME_VARIABLES

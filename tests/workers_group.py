@@ -163,3 +163,48 @@ def _sum_after(rank):
     t = torch.full((8,), float(rank + 1))
     dptc.all_reduce(t)
     return t[0].item()
+
+
+def torch_groups_at_exit(mesh: str):
+    """What dptc's exit handler leaves of torch's gloo groups, which dptc set up itself: the
+    number of gloo worker threads (named pt_gloo_runloop) before and after the handler runs,
+    with the model (and mesh) still held, as a script's globals are.
+
+    mesh="default": fully_shard on dptc's default mesh, then DTensor.full_tensor (gloo work
+    through the mesh, as a script's last evaluation or checkpoint does).  mesh="hsdp": a
+    (1, world) mesh made with init_device_mesh, fully_shard on it, then full_tensor.
+    mesh="fsdp1": FullyShardedDataParallel (its units' meshes and `process_group`)."""
+    import dptc
+    import dptc.group
+    from torch.distributed.device_mesh import init_device_mesh
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    held = None
+    if mesh == "fsdp1":
+        model = dptc.FullyShardedDataParallel(model, device_id="cpu")
+    else:
+        if mesh == "hsdp":
+            dptc.init_process_group()
+            held = init_device_mesh("cpu", (1, dptc.get_world_size()),
+                                    mesh_dim_names=("replicate", "shard"))
+        for layer in model:
+            dptc.fully_shard(layer, mesh=held)
+        dptc.fully_shard(model, mesh=held)
+    model(torch.ones(4, 8)).sum().backward()
+    if mesh == "fsdp1":
+        worked = model.process_group.size() == dptc.get_world_size()
+    else:
+        worked = all(p.full_tensor().isfinite().all() for p in model.parameters())
+    before = _gloo_threads()
+    dptc.group._shutdown()     # what atexit runs
+    return {"before": before, "after": _gloo_threads(), "worked": bool(worked)}
+
+
+def _gloo_threads():
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as comm:
+                names.append(comm.read().strip())
+        except OSError:       # the thread ended meanwhile
+            pass
+    return names.count("pt_gloo_runloop")

@@ -338,9 +338,8 @@ class FullyShardedDataParallel(nn.Module):
             self._broadcast_from_rank0(module, ignored_params)
         self.sharding_strategy = strategy
         self.mixed_precision = mixed_precision
-        # torch's FSDP1 attribute: the group a unit shards over (all ranks for NO_SHARD).
-        self.process_group = mesh.get_group(0 if mesh.ndim == 1 or
-                                            strategy == ShardingStrategy.NO_SHARD else 1)
+        self._group_of = (mesh, 0 if mesh.ndim == 1 or strategy == ShardingStrategy.NO_SHARD
+                          else 1)
         self._is_root_arg = _root
         self._settings = (StateDictType.FULL_STATE_DICT, FullStateDictConfig(),
                           FullOptimStateDictConfig())
@@ -468,6 +467,14 @@ class FullyShardedDataParallel(nn.Module):
             "torch.distributed.checkpoint; load it into a model built and wrapped the same way")
 
     __copy__ = copy_as_object
+
+    @property
+    def process_group(self):
+        """torch's FSDP1 attribute: the group this unit shards over (all ranks for NO_SHARD).
+        Looked up through the mesh rather than held, so that dptc can free it at exit
+        ([Note: torch groups at exit] in dptc/group.py)."""
+        mesh, dim = self._group_of
+        return mesh.get_group(dim)
 
     @property
     def module(self):
