@@ -149,7 +149,9 @@ MODELS = {
     "fully_shard_extra_bias": ("RuntimeError", [
         "global rank 0 has 2 parameters and global rank 1 has 1"]),
     "fsdp1_transposed": ("RuntimeError", [
-        _SAME_MODEL, "(6, 4), float32 on global rank 0", "(4, 6), float32 on global rank 1"]),
+        "FullyShardedDataParallel " + _SAME_MODEL,
+        "parameter 0 is '0.weight' of shape (6, 4), float32 on global rank 0 and '0.weight' of "
+        "shape (4, 6), float32 on global rank 1", _DDP_REMEDY]),
     "ddp_device_ids_int": ("TypeError", [
         "device_ids must be None or a list", "device_ids=[index]", "got 0"]),
     "fully_shard_param_dtype_str": ("TypeError", [

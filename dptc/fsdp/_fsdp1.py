@@ -30,11 +30,12 @@ from torch.distributed.fsdp import (BackwardPrefetch, CPUOffload, FullOptimState
 from torch.distributed.tensor import DTensor
 
 from .._dcp import recognise, torch_methods
+from .._same_model import check_same_parameters
 from .. import group as _group_module
 from ..group import default_group
 from ._api import MixedPrecisionPolicy
 from ._comm_hooks import resolve as resolve_comm_hook
-from ._fully_shard import FSDPModule, copy_as_object, fully_shard
+from ._fully_shard import FSDPModule, _mesh_groups, copy_as_object, fully_shard
 from ._wrap import _Policy, policy_targets
 
 __all__ = ["FullyShardedDataParallel", "ShardingStrategy", "BackwardPrefetch", "MixedPrecision",
@@ -323,6 +324,17 @@ class FullyShardedDataParallel(nn.Module):
                 ignored_params.update(ignored.parameters())
             else:
                 ignored_params.add(ignored)
+        if _root:
+            # See [Note: the same model on every rank] in dptc/_same_model.py: checked here
+            # for the whole model, before any unit is made, so that the message names
+            # FullyShardedDataParallel rather than the fully_shard it is built on.
+            _, shard, replicate = _mesh_groups(mesh, device.type)
+            named = [(name, p) for name, p in model_names if p not in ignored_params]
+            for group in (shard, replicate):
+                check_same_parameters(
+                    named, group, "FullyShardedDataParallel",
+                    "build the module identically on every rank (the same layers in the same "
+                    "order, shapes, dtypes and requires_grad) before wrapping it")
         if auto_wrap_policy is not None and mixed_precision is not None:
             auto_wrap_policy = _exempt_from_mixed_precision(
                 module, auto_wrap_policy, mixed_precision._module_classes_to_ignore)
