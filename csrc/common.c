@@ -88,6 +88,7 @@ const char *dptc_op_name(dptc_op op)
 
 const char *dptc_redop_name(dptc_redop redop)
 {
-    static const char *names[DPTC_REDOP_COUNT] = {"SUM", "AVG", "MAX", "MIN", "PRODUCT"};
+    static const char *names[DPTC_REDOP_COUNT] = {"SUM", "AVG", "MAX", "MIN", "PRODUCT",
+                                                  "BAND", "BOR", "BXOR"};
     return (unsigned)redop < DPTC_REDOP_COUNT ? names[redop] : "unknown op";
 }

@@ -49,6 +49,9 @@ typedef enum {
     DPTC_MAX = 2,
     DPTC_MIN = 3,
     DPTC_PRODUCT = 4,
+    DPTC_BAND = 5,       /* bitwise and, or, exclusive or: integers and bool only */
+    DPTC_BOR = 6,
+    DPTC_BXOR = 7,
     DPTC_REDOP_COUNT
 } dptc_redop;
 

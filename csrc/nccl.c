@@ -146,7 +146,10 @@ static int nccl_dtype(dptc_dtype dtype)
 }
 
 /* NCCL's op for redop on dtype: bool's SUM is "any" (MAX on bytes 0/1) and
- * its PRODUCT "all" (MIN), as the shared-memory transport reduces them. */
+ * its PRODUCT "all" (MIN), as the shared-memory transport reduces them.
+ * NCCL has no bitwise ops (ncclRedOp_t: sum, prod, max, min, avg), so BAND,
+ * BOR and BXOR have none here; dptc/collectives.py refuses them on CUDA
+ * tensors before they reach C, as torch's NCCL backend does. */
 static int nccl_redop(dptc_redop redop, dptc_dtype dtype)
 {
     int boolean = dtype == DPTC_BOOL;
@@ -156,6 +159,7 @@ static int nccl_redop(dptc_redop redop, dptc_dtype dtype)
     case DPTC_MAX: return NCCL_MAX;
     case DPTC_MIN: return NCCL_MIN;
     case DPTC_PRODUCT: return boolean ? NCCL_MIN : NCCL_PROD;
+    case DPTC_BAND: case DPTC_BOR: case DPTC_BXOR: return -1;
     default: return -1;
     }
 }

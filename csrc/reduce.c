@@ -23,8 +23,13 @@
  *
  * Integers wrap like two's complement: SUM and PRODUCT run on the unsigned
  * type of the same width (which may read a signed object, C11 6.5p7), MAX and
- * MIN compare in the element's own type.  bool: SUM and MAX are a logical
- * or, MIN and PRODUCT a logical and; results are 0 or 1.
+ * MIN compare in the element's own type.  BAND, BOR and BXOR act on the
+ * bits, on the unsigned type of the same width (int8 and uint8 share their
+ * kernels, as for SUM).  bool: SUM, MAX and BOR are a logical or, MIN,
+ * PRODUCT and BAND a logical and, BXOR an exclusive or (over several
+ * sources: whether an odd number of them is true); results are 0 or 1,
+ * whatever nonzero byte a source holds.  Floating types have no bitwise
+ * ops: dptc_reduce refuses them, as torch's gloo does.
  *
  * Floating MAX and MIN propagate NaN, like torch.maximum and torch.minimum.
  */
@@ -87,6 +92,10 @@ typedef union {
 #define LESSER(a, b) ((a) < (b) ? (a) : (b))
 #define EITHER(a, b) (((a) != 0) | ((b) != 0))
 #define BOTH(a, b) (((a) != 0) & ((b) != 0))
+#define DIFFER(a, b) (((a) != 0) ^ ((b) != 0))
+#define BIT_AND(a, b) ((a) & (b))
+#define BIT_OR(a, b) ((a) | (b))
+#define BIT_XOR(a, b) ((a) ^ (b))
 
 static inline float max_f32(float a, float b)
 {
@@ -228,20 +237,30 @@ DEFINE_SAME_KERNELS(f64_min, double, min_f64)
 DEFINE_SAME_KERNELS(f64_product, double, MULTIPLY)
 DEFINE_SAME_KERNELS(u64_sum, uint64_t, ADD)
 DEFINE_SAME_KERNELS(u64_product, uint64_t, MULTIPLY)
+DEFINE_SAME_KERNELS(u64_band, uint64_t, BIT_AND)
+DEFINE_SAME_KERNELS(u64_bor, uint64_t, BIT_OR)
+DEFINE_SAME_KERNELS(u64_bxor, uint64_t, BIT_XOR)
 DEFINE_SAME_KERNELS(i64_max, int64_t, GREATER)
 DEFINE_SAME_KERNELS(i64_min, int64_t, LESSER)
 DEFINE_SAME_KERNELS(u32_sum, uint32_t, ADD)
 DEFINE_SAME_KERNELS(u32_product, uint32_t, MULTIPLY)
+DEFINE_SAME_KERNELS(u32_band, uint32_t, BIT_AND)
+DEFINE_SAME_KERNELS(u32_bor, uint32_t, BIT_OR)
+DEFINE_SAME_KERNELS(u32_bxor, uint32_t, BIT_XOR)
 DEFINE_SAME_KERNELS(i32_max, int32_t, GREATER)
 DEFINE_SAME_KERNELS(i32_min, int32_t, LESSER)
 DEFINE_SAME_KERNELS(u8_sum, uint8_t, ADD)
 DEFINE_SAME_KERNELS(u8_product, uint8_t, MULTIPLY)
 DEFINE_SAME_KERNELS(u8_max, uint8_t, GREATER)
 DEFINE_SAME_KERNELS(u8_min, uint8_t, LESSER)
+DEFINE_SAME_KERNELS(u8_band, uint8_t, BIT_AND)
+DEFINE_SAME_KERNELS(u8_bor, uint8_t, BIT_OR)
+DEFINE_SAME_KERNELS(u8_bxor, uint8_t, BIT_XOR)
 DEFINE_SAME_KERNELS(i8_max, int8_t, GREATER)
 DEFINE_SAME_KERNELS(i8_min, int8_t, LESSER)
 DEFINE_SAME_KERNELS(bool_any, uint8_t, EITHER)
 DEFINE_SAME_KERNELS(bool_all, uint8_t, BOTH)
+DEFINE_SAME_KERNELS(bool_differ, uint8_t, DIFFER)
 
 HOT_LOOP
 static void f32_scale(void *buf, size_t n, double scale)
@@ -284,7 +303,8 @@ typedef struct {
 
 #define SAME(name) {name##_combine, name##_fold}
 
-/* Indexed by [dtype][op]; bfloat16, float16 and AVG rows stay empty. */
+/* Indexed by [dtype][op]; bfloat16, float16, AVG and the floating types'
+ * bitwise entries stay empty. */
 static const same_kernels same_table[DPTC_DTYPE_COUNT][DPTC_REDOP_COUNT] = {
     [DPTC_FLOAT32] = {[DPTC_SUM] = SAME(f32_sum), [DPTC_MAX] = SAME(f32_max),
                       [DPTC_MIN] = SAME(f32_min),
@@ -294,19 +314,29 @@ static const same_kernels same_table[DPTC_DTYPE_COUNT][DPTC_REDOP_COUNT] = {
                       [DPTC_PRODUCT] = SAME(f64_product)},
     [DPTC_INT32] = {[DPTC_SUM] = SAME(u32_sum), [DPTC_MAX] = SAME(i32_max),
                     [DPTC_MIN] = SAME(i32_min),
-                    [DPTC_PRODUCT] = SAME(u32_product)},
+                    [DPTC_PRODUCT] = SAME(u32_product),
+                    [DPTC_BAND] = SAME(u32_band), [DPTC_BOR] = SAME(u32_bor),
+                    [DPTC_BXOR] = SAME(u32_bxor)},
     [DPTC_INT64] = {[DPTC_SUM] = SAME(u64_sum), [DPTC_MAX] = SAME(i64_max),
                     [DPTC_MIN] = SAME(i64_min),
-                    [DPTC_PRODUCT] = SAME(u64_product)},
+                    [DPTC_PRODUCT] = SAME(u64_product),
+                    [DPTC_BAND] = SAME(u64_band), [DPTC_BOR] = SAME(u64_bor),
+                    [DPTC_BXOR] = SAME(u64_bxor)},
     [DPTC_UINT8] = {[DPTC_SUM] = SAME(u8_sum), [DPTC_MAX] = SAME(u8_max),
                     [DPTC_MIN] = SAME(u8_min),
-                    [DPTC_PRODUCT] = SAME(u8_product)},
+                    [DPTC_PRODUCT] = SAME(u8_product),
+                    [DPTC_BAND] = SAME(u8_band), [DPTC_BOR] = SAME(u8_bor),
+                    [DPTC_BXOR] = SAME(u8_bxor)},
     [DPTC_INT8] = {[DPTC_SUM] = SAME(u8_sum), [DPTC_MAX] = SAME(i8_max),
                    [DPTC_MIN] = SAME(i8_min),
-                   [DPTC_PRODUCT] = SAME(u8_product)},
+                   [DPTC_PRODUCT] = SAME(u8_product),
+                   [DPTC_BAND] = SAME(u8_band), [DPTC_BOR] = SAME(u8_bor),
+                   [DPTC_BXOR] = SAME(u8_bxor)},
     [DPTC_BOOL] = {[DPTC_SUM] = SAME(bool_any), [DPTC_MAX] = SAME(bool_any),
                    [DPTC_MIN] = SAME(bool_all),
-                   [DPTC_PRODUCT] = SAME(bool_all)},
+                   [DPTC_PRODUCT] = SAME(bool_all),
+                   [DPTC_BAND] = SAME(bool_all), [DPTC_BOR] = SAME(bool_any),
+                   [DPTC_BXOR] = SAME(bool_differ)},
 };
 
 /* ---- kernels on bfloat16 and float16, accumulating in float32 ---- */
@@ -636,10 +666,15 @@ static bool is_floating(dptc_dtype dtype)
            || dtype == DPTC_BFLOAT16 || dtype == DPTC_FLOAT16;
 }
 
+static bool is_bitwise(dptc_redop op)
+{
+    return op == DPTC_BAND || op == DPTC_BOR || op == DPTC_BXOR;
+}
+
 static bool is_valid_redop(dptc_redop op)
 {
     return op == DPTC_SUM || op == DPTC_MAX || op == DPTC_MIN
-           || op == DPTC_PRODUCT;
+           || op == DPTC_PRODUCT || is_bitwise(op);
 }
 
 static bool has_null_buffer(const void *dst, const void *const *srcs,
@@ -666,6 +701,10 @@ dptc_status dptc_reduce(void *dst, const void *const *srcs, int nsrc,
                          "reduce of %s: op %s (code %d) is not one the kernels run "
                          "(AVG arrives as SUM with scale 1/n)",
                          dptc_dtype_name(dtype), dptc_redop_name(op), (int)op);
+    if (is_bitwise(op) && is_floating(dtype))
+        return dptc_fail(err, DPTC_ERR_INVALID,
+                         "reduce %s of %s: bitwise ops need an integer or bool dtype",
+                         dptc_redop_name(op), dptc_dtype_name(dtype));
     if (nsrc < 1)
         return dptc_fail(err, DPTC_ERR_INVALID, "reduce %s of %s: needs a source, got nsrc %d",
                          dptc_redop_name(op), dptc_dtype_name(dtype), nsrc);

@@ -11,9 +11,10 @@
  * is stored (1.0 for SUM/MAX/MIN/PRODUCT; 1/n for AVG); it must be 1.0 for
  * integer types.  bfloat16 and float16 are accumulated in float32 across all
  * sources and rounded once (round to nearest even).  AVG is never passed
- * here: callers pass SUM with scale = 1/n.  Returns DPTC_ERR_INVALID for a
- * dtype/op pair that is not supported (e.g. scale != 1 with ints).  Runs
- * without the GIL; allocates nothing. */
+ * here: callers pass SUM with scale = 1/n.  BAND, BOR and BXOR take integer
+ * and bool dtypes only.  Returns DPTC_ERR_INVALID for a dtype/op pair that
+ * is not supported (scale != 1 with ints, a bitwise op on a floating dtype).
+ * Runs without the GIL; allocates nothing. */
 dptc_status dptc_reduce(void *dst, const void *const *srcs, int nsrc,
                         size_t count, dptc_dtype dtype, dptc_redop op,
                         double scale, dptc_error *err);

@@ -3,9 +3,9 @@
 import torch
 import torch.distributed as dist
 
-__all__ = ["dtype_code", "redop_code", "torch_dtype", "torch_reduce_op", "element_size",
-           "is_floating", "OP_ALL_REDUCE", "OP_BROADCAST", "OP_ALL_GATHER",
-           "OP_REDUCE_SCATTER", "OP_BARRIER"]
+__all__ = ["dtype_code", "redop_code", "redop_name", "torch_dtype", "torch_reduce_op",
+           "element_size", "is_floating", "BITWISE_REDOPS", "OP_ALL_REDUCE", "OP_BROADCAST",
+           "OP_ALL_GATHER", "OP_REDUCE_SCATTER", "OP_BARRIER"]
 
 OP_ALL_REDUCE = 0
 OP_BROADCAST = 1
@@ -53,14 +53,27 @@ def element_size(dtype):
 
 
 # Reduce ops: dptc codes (csrc/dptc.h) for torch.distributed.ReduceOp values.
-REDOP_SUM, REDOP_AVG, REDOP_MAX, REDOP_MIN, REDOP_PRODUCT = range(5)
+(REDOP_SUM, REDOP_AVG, REDOP_MAX, REDOP_MIN, REDOP_PRODUCT, REDOP_BAND, REDOP_BOR,
+ REDOP_BXOR) = range(8)
 _REDOPS = [
     (dist.ReduceOp.SUM, REDOP_SUM),
     (dist.ReduceOp.AVG, REDOP_AVG),
     (dist.ReduceOp.MAX, REDOP_MAX),
     (dist.ReduceOp.MIN, REDOP_MIN),
     (dist.ReduceOp.PRODUCT, REDOP_PRODUCT),
+    (dist.ReduceOp.BAND, REDOP_BAND),
+    (dist.ReduceOp.BOR, REDOP_BOR),
+    (dist.ReduceOp.BXOR, REDOP_BXOR),
 ]
+_REDOP_NAMES = {REDOP_SUM: "SUM", REDOP_AVG: "AVG", REDOP_MAX: "MAX", REDOP_MIN: "MIN",
+                REDOP_PRODUCT: "PRODUCT", REDOP_BAND: "BAND", REDOP_BOR: "BOR",
+                REDOP_BXOR: "BXOR"}
+BITWISE_REDOPS = (REDOP_BAND, REDOP_BOR, REDOP_BXOR)
+
+
+def redop_name(code):
+    """"BAND" for REDOP_BAND: the name torch's messages give the op."""
+    return _REDOP_NAMES[code]
 
 
 def redop_code(op, dtype, argname="op"):
@@ -72,11 +85,19 @@ def redop_code(op, dtype, argname="op"):
         if op == torch_op:
             break
     else:
-        names = ", ".join(f"ReduceOp.{n}" for n in ("SUM", "AVG", "MAX", "MIN", "PRODUCT"))
+        names = ", ".join(f"ReduceOp.{n}" for n in _REDOP_NAMES.values())
         raise ValueError(f"{argname}={op!r} is not supported by dptc; use one of {names}")
     if code == REDOP_AVG and not is_floating(dtype):
         raise ValueError(f"{argname}=ReduceOp.AVG needs a floating-point tensor, got {dtype}; "
                          f"use ReduceOp.SUM and divide, or convert to float")
+    if code in BITWISE_REDOPS and is_floating(dtype):
+        # RuntimeError and torch's words first, as torch's gloo raises it.
+        name = _REDOP_NAMES[code]
+        raise RuntimeError(f"Cannot use ReduceOp.{name} with non-integral dtype: "
+                           f"{argname}=ReduceOp.{name} needs an integer or bool tensor, got "
+                           f"{dtype}; reduce its bytes instead (tensor.view(torch.uint8): a "
+                           f"bitwise op acts on every byte alike), or convert it "
+                           f"(tensor.bool() for flags, tensor.to(torch.int64) for masks)")
     return code
 
 

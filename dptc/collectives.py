@@ -19,8 +19,8 @@ import torch.distributed as dist
 
 from . import _cuda
 from . import _ranges
-from ._dtypes import (OP_ALL_GATHER, OP_ALL_REDUCE, OP_BARRIER, OP_BROADCAST,
-                      OP_REDUCE_SCATTER, dtype_code, redop_code)
+from ._dtypes import (BITWISE_REDOPS, OP_ALL_GATHER, OP_ALL_REDUCE, OP_BARRIER, OP_BROADCAST,
+                      OP_REDUCE_SCATTER, dtype_code, redop_code, redop_name)
 from .group import resolve
 
 __all__ = ["ReduceOp", "all_reduce", "broadcast", "all_gather_into_tensor",
@@ -151,7 +151,22 @@ class CudaWork:
         return self._c.is_completed()
 
 
+def check_nccl_redop(collective, redop):
+    """ValueError, as torch's NCCL backend raises, for a reduction NCCL lacks: NCCL reduces by
+    sum, product, max, min and avg only, so BAND, BOR and BXOR run on CPU tensors alone."""
+    if collective not in (OP_ALL_REDUCE, OP_REDUCE_SCATTER) or redop not in BITWISE_REDOPS:
+        return
+    name = redop_name(redop)
+    call = "all_reduce" if collective == OP_ALL_REDUCE else "reduce_scatter_tensor"
+    raise ValueError(f"Cannot use ReduceOp.{name} with NCCL: {call}(op=ReduceOp.{name}) on CUDA "
+                     f"tensors has no NCCL reduction (NCCL has SUM, PRODUCT, MAX, MIN and AVG "
+                     f"only); {call} CPU copies of the tensors on the same group and copy the "
+                     f"result back (cpu = tensor.cpu(); ...; tensor.copy_(cpu)), or, for bool "
+                     f"flags, use ReduceOp.MAX for BOR and ReduceOp.MIN for BAND")
+
+
 def _issue_cuda(pg, args, async_op):
+    check_nccl_redop(args[0], args[2])
     device = _cuda_device(args[3], args[4])
     stream = torch.cuda.current_stream(device)
     work = pg.device_engine(device).submit(*args, stream)
@@ -162,8 +177,9 @@ def _issue_cuda(pg, args, async_op):
 
 
 def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False, *, stream=0):
-    """Reduces tensor in place across the group (SUM, AVG, MAX, MIN, PRODUCT; a complex
-    tensor SUM or AVG, as torch's).
+    """Reduces tensor in place across the group (SUM, AVG, MAX, MIN, PRODUCT; BAND, BOR and
+    BXOR on integer and bool CPU tensors, as torch's gloo; a complex tensor SUM or AVG, as
+    torch's).
 
     dptc's extension: ``stream`` picks one of the group's independent ordered streams.
     """

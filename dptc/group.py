@@ -32,7 +32,8 @@ import torch.distributed as dist
 import torch.distributed.nn.functional  # noqa: F401
 
 from . import _C
-from ._dtypes import element_size, torch_dtype, torch_reduce_op
+from ._dtypes import (REDOP_MAX, REDOP_MIN, REDOP_PRODUCT, REDOP_SUM, element_size, torch_dtype,
+                      torch_reduce_op)
 
 __all__ = ["ProcessGroup", "init_process_group", "destroy_process_group", "is_initialized",
            "new_group", "get_rank", "get_world_size", "default_group", "resolve"]
@@ -440,6 +441,9 @@ def _run_bridged(issue, engine, store, what):
                                 f"{store.get('abort').decode(errors='replace')}")
 
 
+_BOOL_BRIDGE_REDOPS = {REDOP_SUM: REDOP_MAX, REDOP_PRODUCT: REDOP_MIN}
+
+
 def _make_bridge(engine, store, stream, local_rank, local_size, nnodes, cross, ranks):
     """The cross-node step of one stream: gloo on byte ranges of this rank's staging slots."""
     slot = torch.frombuffer(engine.slot(stream, local_rank), dtype=torch.uint8)
@@ -474,6 +478,10 @@ def _make_bridge(engine, store, stream, local_rank, local_size, nnodes, cross, r
         nbytes = count * element_size(dt)
         view = slot[offset:offset + nbytes].view(dt)
         if op == 0:
+            if dt is torch.bool:
+                # gloo's bool SUM stores the byte 2 where two nodes send True; its MAX and MIN
+                # are the same or and and with bytes 0 and 1, as dptc's kernels leave them.
+                redop = _BOOL_BRIDGE_REDOPS.get(redop, redop)
             options = dist.AllreduceOptions()
             options.reduceOp = torch_reduce_op(redop)
             gloo(lambda: cross.allreduce([view], options), "a cross-node all_reduce")

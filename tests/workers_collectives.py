@@ -23,6 +23,8 @@ start-up once per world size.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import math
 import os
 import re
@@ -36,7 +38,7 @@ from tests._rank import load_impl, start_clock
 
 __all__ = [
     "sweep", "run_sync_cases", "run_async_checks", "peer_killed", "mismatch", "bad_arguments",
-    "make_input", "DTYPES", "FLOATING", "SIZES", "LARGE_COUNT",
+    "bitwise", "make_input", "DTYPES", "FLOATING", "SIZES", "LARGE_COUNT",
 ]
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16,
@@ -509,6 +511,113 @@ def sweep(impl: str, seed: int = 0, large: bool = True, strict_16bit=None):
     result["async"] = run_async_checks(api, seed=seed)
     api.destroy_process_group()
     return result
+
+
+# ---------------------------------------------------------------------------------------------
+# Bitwise reductions (BAND, BOR, BXOR), and bool's other reductions, bit for bit against gloo
+
+# The dtypes torch's gloo reduces bitwise (floating ones raise RuntimeError; int16 and the
+# unsigned 16/32/64-bit types it refuses altogether, as dptc does).
+BITWISE_DTYPES = (torch.int32, torch.int64, torch.uint8, torch.int8, torch.bool)
+BITWISE_OPS = {"BAND": torch.bitwise_and, "BOR": torch.bitwise_or, "BXOR": torch.bitwise_xor}
+# bool's arithmetic reductions, which gloo runs as logical ones (SUM and MAX or, MIN and
+# PRODUCT and).  They are compared by value: gloo's all_reduce SUM leaves the byte 2 in a bool
+# that two ranks set (torch 2.13: True + True stored unnormalised), where dptc stores 1.
+BOOL_OPS = {"SUM": torch.logical_or, "MAX": torch.logical_or, "MIN": torch.logical_and,
+            "PRODUCT": torch.logical_and}
+
+
+def bitwise_sizes(dtype):
+    """Element counts: odd ones (no multiple of a vector or of a staging round), one past the
+    small all-reduce's 16 KiB, and one of 1.5 MiB and 7 elements, more than a staging slot
+    (DEFAULT_SLOT_BYTES, 1 MiB), so that several rounds run."""
+    return (1, 37, 12_345 // dtype.itemsize + 3, (3 << 19) // dtype.itemsize + 7)
+
+
+def _bitwise_cases():
+    cases = []
+    for collective in ("all_reduce", "reduce_scatter_tensor"):
+        for dtype in BITWISE_DTYPES:
+            ops = list(BITWISE_OPS) + (list(BOOL_OPS) if dtype == torch.bool else [])
+            for op in ops:
+                for n in bitwise_sizes(dtype):
+                    cases.append((collective, op, dtype, n))
+    return cases
+
+
+def _bitwise_input(dtype, n, seed, case, rank):
+    """Random bytes (any bit pattern of the dtype), or random bools; the same on every rank."""
+    g = _generator(seed, 20_000 + case, rank)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, (n,), generator=g, dtype=torch.uint8).bool()
+    return torch.randint(0, 256, (n * dtype.itemsize,), generator=g, dtype=torch.uint8).view(dtype)
+
+
+def _digest(tensor):
+    return hashlib.sha256(tensor.contiguous().numpy().tobytes()).hexdigest()[:20]
+
+
+def bitwise(impl: str, seed: int = 0, shared: bool = False):
+    """all_reduce and reduce_scatter_tensor with BAND, BOR, BXOR (and bool's SUM, MAX, MIN,
+    PRODUCT) over every dtype gloo takes and bitwise_sizes(); each result is checked against
+    torch.bitwise_* of every rank's regenerated input here, and its digest returned so the test
+    can compare dptc's bytes with gloo's.  shared (dptc): each case runs a second time on
+    tensors in shared buffers (ProcessGroup.empty_shared), the copy-free path DDP's buckets
+    take.  Returns {"failures", "digests": {label: sha256 prefix}, "stagings"}."""
+    api = load_impl(impl)
+    rank, world_size = api.get_rank(), api.get_world_size()
+    failures, digests = [], {}
+    buffers = {}
+    if shared:
+        # One buffer per dtype, each case at its start: the same place on every rank.
+        pg = api.module.group.default_group()
+        for dtype in BITWISE_DTYPES:
+            buffers[dtype] = pg.empty_shared(bitwise_sizes(dtype)[-1] * world_size, dtype)
+    for case, (collective, op, dtype, n) in enumerate(_bitwise_cases()):
+        total = n * world_size if collective == "reduce_scatter_tensor" else n
+        inputs = [_bitwise_input(dtype, total, seed, case, r) for r in range(world_size)]
+        combine = BITWISE_OPS.get(op) or BOOL_OPS[op]
+        expected = functools.reduce(combine, inputs)
+        if collective == "reduce_scatter_tensor":
+            expected = expected[rank * n:(rank + 1) * n]
+        places = ["plain"] + (["shared"] if shared else [])
+        for place in places:
+            label = f"{collective}({op}) dtype={str(dtype)[6:]} n={n}"
+            where = f"{label} {place} rank={rank}/{world_size}"
+            got = _run_bitwise(api, buffers.get(dtype), collective, op, inputs[rank], n, place)
+            problem = None
+            if op in BOOL_OPS:
+                if impl == "dptc" and got.numel() and int(got.view(torch.uint8).max()) > 1:
+                    problem = f"{where}: a bool holds the byte {int(got.view(torch.uint8).max())}"
+                got = got.view(torch.uint8) != 0
+            problem = problem or _compare(where, got, expected, mode="bits")
+            if problem and len(failures) < _MAX_REPORTED:
+                failures.append(problem)
+            digests[f"{label} {place}"] = _digest(got)
+    result = {"failures": failures, "digests": digests}
+    if impl == "dptc":
+        result["stagings"] = api.module.group.default_group().stagings()
+        api.destroy_process_group()
+    return result
+
+
+def _run_bitwise(api, buffer, collective, op, mine, n, place):
+    """The output of one collective on this rank's input `mine` (left unchanged), run on a
+    copy of it: at the start of the shared `buffer` for place "shared"."""
+    reduce_op = getattr(api.ReduceOp, op)
+    if place == "shared":
+        source = buffer[:mine.numel()]
+        source.copy_(mine)
+    else:
+        source = mine.clone()
+    if collective == "all_reduce":
+        api.all_reduce(source, op=reduce_op)
+        return source
+    output = _garbage(mine.dtype, n, api.get_rank())
+    api.reduce_scatter_tensor(output, source, op=reduce_op)
+    if not torch.equal(source, mine):
+        raise AssertionError(f"reduce_scatter_tensor({op}) of {mine.dtype} changed its input")
+    return output
 
 
 # ---------------------------------------------------------------------------------------------
