@@ -20,6 +20,10 @@ What each case did before it was fixed:
     Work.wait(timeout="5")   dptc: TypeError "must be real number, not str" (no argument named)
     all_reduce(t, async_op="no")   torch: TypeError; dptc returned a handle (the string is
         truthy), so a caller reading t at once read it before the reduction
+    all_reduce(float32 tensor, op=ReduceOp.BAND) (BOR, BXOR; float16, bfloat16; and
+        reduce_scatter_tensor)   torch: RuntimeError "Cannot use ReduceOp.BAND with
+        non-integral dtype"; dptc: ValueError "op=<RedOpType.BAND: 5> is not supported by
+        dptc", which it raised on integer and bool tensors too (tests/test_collectives.py)
     broadcast(src=np.int64(1)) or src=torch.tensor(1)   torch accepts them; dptc: ValueError
     broadcast(src=0.5 / "1"), group_src=1.0   torch: TypeError; dptc: ValueError
     DDP, fully_shard and FSDP1 over models that differ between ranks in shapes or order but
@@ -90,6 +94,20 @@ CALLS = {
     "op_int": ("TypeError", ["op must be a torch.distributed.ReduceOp (dptc.ReduceOp), got "
                              "int 0", "pass e.g. ReduceOp.SUM"],
                "TypeError", "incompatible function arguments"),
+    # torch's gloo reduces bitwise only integers and bool; dptc raises its error type and
+    # words, then names the argument, the value and the remedy.
+    "band_float32": ("RuntimeError", [
+        "Cannot use ReduceOp.BAND with non-integral dtype", "op=ReduceOp.BAND needs an integer "
+        "or bool tensor, got torch.float32", "tensor.view(torch.uint8)"],
+        "RuntimeError", "Cannot use ReduceOp.BAND with non-integral dtype"),
+    "bor_float16": ("RuntimeError", [
+        "Cannot use ReduceOp.BOR with non-integral dtype", "got torch.float16",
+        "tensor.view(torch.uint8)"],
+        "RuntimeError", "Cannot use ReduceOp.BOR with non-integral dtype"),
+    "bxor_bfloat16_reduce_scatter": ("RuntimeError", [
+        "Cannot use ReduceOp.BXOR with non-integral dtype", "op=ReduceOp.BXOR", "got "
+        "torch.bfloat16", "tensor.bool() for flags"],
+        "RuntimeError", "Cannot use ReduceOp.BXOR with non-integral dtype"),
     "src_numpy_int": (None, [11.0, 11.0, 11.0], None, [11.0, 11.0, 11.0]),
     "src_0dim_tensor": (None, [11.0, 11.0, 11.0], None, [11.0, 11.0, 11.0]),
     "src_float": ("TypeError", ["src must be a global rank (an int)", "got 0.5"],
@@ -222,6 +240,31 @@ def test_matched_model_trains_after_refusals():
         assert result["in_step"] is True
         assert result["trained"]["ddp"] < 1e-12, result["trained"]
         assert result["trained"]["fully_shard"] < 1e-12, result["trained"]
+
+
+@pytest.mark.parametrize("collective, redop, words", [
+    ("all_reduce", "BAND", ["Cannot use ReduceOp.BAND with NCCL",
+                            "all_reduce(op=ReduceOp.BAND) on CUDA tensors",
+                            "all_reduce CPU copies of the tensors on the same group",
+                            "ReduceOp.MIN for BAND"]),
+    ("reduce_scatter_tensor", "BXOR", ["Cannot use ReduceOp.BXOR with NCCL",
+                                       "reduce_scatter_tensor(op=ReduceOp.BXOR)"]),
+])
+def test_bitwise_on_cuda_tensors_refused(collective, redop, words):
+    """NCCL has no bitwise reductions: dptc raises torch's NCCL ValueError, naming the op and
+    the remedy, before the NCCL engine (this build has no GPU, so the check runs alone)."""
+    from dptc import _dtypes
+    from dptc.collectives import check_nccl_redop
+    code = getattr(_dtypes, f"REDOP_{redop}")
+    op = {"all_reduce": _dtypes.OP_ALL_REDUCE,
+          "reduce_scatter_tensor": _dtypes.OP_REDUCE_SCATTER}[collective]
+    with pytest.raises(ValueError) as caught:
+        check_nccl_redop(op, code)
+    for word in words:
+        assert word in str(caught.value), (word, str(caught.value))
+    for allowed in (_dtypes.REDOP_SUM, _dtypes.REDOP_MAX, _dtypes.REDOP_AVG):
+        check_nccl_redop(op, allowed)
+    check_nccl_redop(_dtypes.OP_BROADCAST, code)   # no reduction: nothing to refuse
 
 
 def test_gather_mismatch_names_no_reduce_op():

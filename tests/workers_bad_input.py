@@ -88,6 +88,12 @@ def call_cases(impl):
         "wait_timeout_nan": waited(float("nan")),
         "async_op_str": lambda: repr(api.all_reduce(torch.ones(3), async_op="no")),
         "op_int": lambda: repr(api.all_reduce(torch.ones(3), op=0)),
+        "band_float32": lambda: repr(api.all_reduce(torch.ones(3), op=api.ReduceOp.BAND)),
+        "bor_float16": lambda: repr(api.all_reduce(torch.ones(3, dtype=torch.float16),
+                                                   op=api.ReduceOp.BOR)),
+        "bxor_bfloat16_reduce_scatter": lambda: repr(api.reduce_scatter_tensor(
+            torch.empty(2, dtype=torch.bfloat16), torch.ones(2 * world_size, dtype=torch.bfloat16),
+            op=api.ReduceOp.BXOR)),
         "src_numpy_int": broadcast_from(src=np.int64(1)),
         "src_0dim_tensor": broadcast_from(src=torch.tensor(1)),
         "src_float": broadcast_from(src=0.5),
