@@ -15,7 +15,8 @@
  *   frexp/nearbyint rounding (ties to even) and compare values exactly;
  * - integers wrap in uint64_t (SUM, PRODUCT) or compare as int64_t (MAX,
  *   MIN), then keep the element's width: an exact integer reference, which
- *   double could not be for int64.
+ *   double could not be for int64.  BAND, BOR and BXOR combine the raw bits
+ *   (bool: the truth values, so the result is 0 or 1).
  */
 #include "reduce.h"
 
@@ -71,7 +72,8 @@ static const dtype_info dtypes[DPTC_DTYPE_COUNT] = {
 
 static const char *const op_names[DPTC_REDOP_COUNT] = {
     [DPTC_SUM] = "SUM", [DPTC_AVG] = "AVG", [DPTC_MAX] = "MAX",
-    [DPTC_MIN] = "MIN", [DPTC_PRODUCT] = "PRODUCT",
+    [DPTC_MIN] = "MIN", [DPTC_PRODUCT] = "PRODUCT", [DPTC_BAND] = "BAND",
+    [DPTC_BOR] = "BOR", [DPTC_BXOR] = "BXOR",
 };
 
 /* ---- reading elements, independently of reduce.c ---- */
@@ -243,9 +245,30 @@ static double reference_float(const reduction *r, size_t i)
     return round_to_dtype(r->dtype, acc);
 }
 
+static bool is_bitwise(dptc_redop op)
+{
+    return op == DPTC_BAND || op == DPTC_BOR || op == DPTC_BXOR;
+}
+
+/* The expected raw bits of element i of a BAND, BOR or BXOR. */
+static uint64_t reference_bitwise(const reduction *r, size_t i)
+{
+    bool boolean = r->dtype == DPTC_BOOL;
+    uint64_t acc = load_raw(r->dtype, r->sources[0], i);
+    acc = boolean ? acc != 0 : acc;
+    for (int k = 1; k < r->nsrc; k++) {
+        uint64_t x = load_raw(r->dtype, r->sources[k], i);
+        x = boolean ? x != 0 : x;
+        acc = r->op == DPTC_BAND ? acc & x : r->op == DPTC_BOR ? acc | x : acc ^ x;
+    }
+    return acc & width_mask(r->dtype);
+}
+
 /* The expected raw bits of element i of an integer or bool reduction. */
 static uint64_t reference_int(const reduction *r, size_t i)
 {
+    if (is_bitwise(r->op))
+        return reference_bitwise(r, i);
     bool any = r->op == DPTC_SUM || r->op == DPTC_MAX;
     int64_t ordered = load_int(r->dtype, r->sources[0], i);
     uint64_t wrapped = (uint64_t)ordered;
@@ -529,12 +552,15 @@ static void test_all_reductions(void)
      * dtype and more of the wider ones, then a ragged tail. */
     static const size_t counts[] = {0, 1, 7, 1000, 20011};
     static const dptc_redop ops[] = {DPTC_SUM, DPTC_MAX, DPTC_MIN,
-                                     DPTC_PRODUCT, DPTC_AVG};
+                                     DPTC_PRODUCT, DPTC_AVG, DPTC_BAND,
+                                     DPTC_BOR, DPTC_BXOR};
     for (int dtype = 0; dtype < DPTC_DTYPE_COUNT; dtype++) {
         for (size_t o = 0; o < sizeof ops / sizeof ops[0]; o++) {
             bool average = ops[o] == DPTC_AVG;
             if (average && !dtypes[dtype].floating)
                 continue;
+            if (is_bitwise(ops[o]) && dtypes[dtype].floating)
+                continue;   /* refused: test_invalid_reduce */
             for (int nsrc = 1; nsrc <= MAX_SOURCES; nsrc++) {
                 layout layouts[3];
                 standard_layouts(nsrc, layouts);
@@ -569,6 +595,10 @@ static void test_unusual_layouts(void)
             reduce_case c = {types[t], DPTC_SUM, 1.0, 10007};
             run_reduce_case(&c, &layouts[l]);
             c.op = DPTC_MAX;
+            run_reduce_case(&c, &layouts[l]);
+            if (dtypes[types[t]].floating)
+                continue;
+            c.op = DPTC_BXOR;
             run_reduce_case(&c, &layouts[l]);
         }
     }
@@ -702,6 +732,18 @@ static void test_invalid_reduce(void)
     expect_refusal("AVG", dptc_reduce(a, srcs, 2, 4, DPTC_FLOAT32, DPTC_AVG,
                                       0.5, fresh_error()),
                    "AVG", "float32", NULL);
+    expect_refusal("BAND of float32",
+                   dptc_reduce(a, srcs, 2, 4, DPTC_FLOAT32, DPTC_BAND, 1.0,
+                               fresh_error()),
+                   "BAND", "float32", "integer or bool", NULL);
+    expect_refusal("BXOR of bfloat16",
+                   dptc_reduce(a, srcs, 2, 4, DPTC_BFLOAT16, DPTC_BXOR, 1.0,
+                               fresh_error()),
+                   "BXOR", "bfloat16", NULL);
+    expect_refusal("BOR of int32, scaled",
+                   dptc_reduce(ints, int_srcs, 1, 4, DPTC_INT32, DPTC_BOR, 0.5,
+                               fresh_error()),
+                   "int32", "BOR", "0.5", NULL);
     expect_refusal("op out of range",
                    dptc_reduce(a, srcs, 2, 4, DPTC_FLOAT32, DPTC_REDOP_COUNT,
                                1.0, fresh_error()),
