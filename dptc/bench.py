@@ -28,6 +28,7 @@ ratios should sit near 1.0.
 import argparse
 import json
 import math
+import operator
 import os
 import signal
 import statistics
@@ -37,7 +38,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
-from functools import partial
+from functools import partial, reduce
 from typing import Callable
 
 import torch
@@ -53,7 +54,10 @@ _DTYPES = {
     "uint8": torch.uint8, "int8": torch.int8, "bool": torch.bool,
 }
 _REDOPS = {"sum": dist.ReduceOp.SUM, "product": dist.ReduceOp.PRODUCT,
-           "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+           "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX, "band": dist.ReduceOp.BAND,
+           "bor": dist.ReduceOp.BOR, "bxor": dist.ReduceOp.BXOR}
+# The bitwise reductions (integer and bool dtypes only, as torch's gloo).
+_BITWISE = {"band": operator.and_, "bor": operator.or_, "bxor": operator.xor}
 _OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 
 # How long one implementation's warm-up runs per size; the timed calls aim at --seconds.
@@ -255,6 +259,9 @@ def rank_value(rank, dtype):
 
 
 def reduced_value(values, redop_name, dtype):
+    if redop_name in _BITWISE:
+        combined = reduce(_BITWISE[redop_name], values)
+        return bool(combined) if dtype is torch.bool else combined
     if dtype is torch.bool:
         return any(values) if redop_name in ("sum", "max") else all(values)
     if redop_name == "sum":
