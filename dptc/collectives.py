@@ -151,7 +151,7 @@ class CudaWork:
         return self._c.is_completed()
 
 
-def check_nccl_redop(collective, redop):
+def _check_nccl_redop(collective, redop):
     """ValueError, as torch's NCCL backend raises, for a reduction NCCL lacks: NCCL reduces by
     sum, product, max, min and avg only, so BAND, BOR and BXOR run on CPU tensors alone."""
     if collective not in (OP_ALL_REDUCE, OP_REDUCE_SCATTER) or redop not in BITWISE_REDOPS:
@@ -166,7 +166,7 @@ def check_nccl_redop(collective, redop):
 
 
 def _issue_cuda(pg, args, async_op):
-    check_nccl_redop(args[0], args[2])
+    _check_nccl_redop(args[0], args[2])
     device = _cuda_device(args[3], args[4])
     stream = torch.cuda.current_stream(device)
     work = pg.device_engine(device).submit(*args, stream)

@@ -254,17 +254,17 @@ def test_bitwise_on_cuda_tensors_refused(collective, redop, words):
     """NCCL has no bitwise reductions: dptc raises torch's NCCL ValueError, naming the op and
     the remedy, before the NCCL engine (this build has no GPU, so the check runs alone)."""
     from dptc import _dtypes
-    from dptc.collectives import check_nccl_redop
+    from dptc.collectives import _check_nccl_redop
     code = getattr(_dtypes, f"REDOP_{redop}")
     op = {"all_reduce": _dtypes.OP_ALL_REDUCE,
           "reduce_scatter_tensor": _dtypes.OP_REDUCE_SCATTER}[collective]
     with pytest.raises(ValueError) as caught:
-        check_nccl_redop(op, code)
+        _check_nccl_redop(op, code)
     for word in words:
         assert word in str(caught.value), (word, str(caught.value))
     for allowed in (_dtypes.REDOP_SUM, _dtypes.REDOP_MAX, _dtypes.REDOP_AVG):
-        check_nccl_redop(op, allowed)
-    check_nccl_redop(_dtypes.OP_BROADCAST, code)   # no reduction: nothing to refuse
+        _check_nccl_redop(op, allowed)
+    _check_nccl_redop(_dtypes.OP_BROADCAST, code)   # no reduction: nothing to refuse
 
 
 def test_gather_mismatch_names_no_reduce_op():
