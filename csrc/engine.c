@@ -67,6 +67,7 @@ struct dptc_work {
     int issued;
     dptc_completion done;
     double deadline;
+    _Atomic int watched;      /* see [Note: watched works] in engine.h */
 };
 
 typedef struct {
@@ -187,6 +188,36 @@ void *dptc_work_device_completion(const dptc_work *w)
     return w->issued && !dptc_work_is_completed(w) ? w->done.handle : NULL;
 }
 
+/* See [Note: watched works] in engine.h. */
+static _Atomic uint32_t watched_count;
+
+void dptc_work_watch(dptc_work *w) { atomic_store(&w->watched, 1); }
+
+uint32_t dptc_watched_count(void) { return atomic_load(&watched_count); }
+
+void dptc_watched_wake(void)
+{
+    atomic_fetch_add(&watched_count, 1);
+    syscall(SYS_futex, (uint32_t *)&watched_count, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+}
+
+void dptc_watched_sleep(uint32_t seen, double timeout_s)
+{
+    double deadline = dptc_now() + timeout_s;
+    while (atomic_load(&watched_count) == seen) {
+        struct timespec ts, *limit = NULL;
+        if (timeout_s >= 0) {
+            double left = deadline - dptc_now();
+            if (left <= 0)
+                return;
+            ts.tv_sec = (time_t)left;
+            ts.tv_nsec = (long)((left - (double)ts.tv_sec) * 1e9);
+            limit = &ts;
+        }
+        syscall(SYS_futex, (uint32_t *)&watched_count, FUTEX_WAIT_PRIVATE, seen, limit, NULL, 0);
+    }
+}
+
 static void work_finish(dptc_work *w, dptc_status status, const dptc_error *err)
 {
     w->status = status;
@@ -194,6 +225,8 @@ static void work_finish(dptc_work *w, dptc_status status, const dptc_error *err)
         memcpy(&w->err, err, sizeof w->err);
     atomic_store(&w->state, WORK_DONE);
     syscall(SYS_futex, (uint32_t *)&w->state, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+    if (atomic_load(&w->watched))
+        dptc_watched_wake();
 }
 
 /* Sleeps until w is done or `deadline` passes; with `interruptible`, also

@@ -149,4 +149,24 @@ void *dptc_work_device_completion(const dptc_work *w);
 void dptc_work_retain(dptc_work *w);
 void dptc_work_release(dptc_work *w);
 
+/* [Note: watched works]
+ * A work whose future somebody asked for (Work.get_future, see dptc/_futures.py)
+ * is watched: when it completes, the engine also adds one to a process-wide
+ * count of watched completions and wakes whoever sleeps on it (the futures'
+ * watcher thread).  Works nobody watches pay one flag read at completion.
+ * The watcher reads the count, then looks at its works, then sleeps while
+ * the count is still what it read, so no completion is missed: a work that
+ * completed before dptc_work_watch was seen completed in the look, one that
+ * completed after it changed the count.  The count is the process's (a
+ * forked child gets a copy that no engine thread of its own moves). */
+void dptc_work_watch(dptc_work *w);
+/* The count of watched completions (and of dptc_watched_wake calls). */
+uint32_t dptc_watched_count(void);
+/* Adds one to the count and wakes its sleepers: a new work to watch, or
+ * the watcher asked to stop. */
+void dptc_watched_wake(void);
+/* Sleeps while the count equals `seen`, at most timeout_s seconds (< 0:
+ * without limit).  Call without the GIL. */
+void dptc_watched_sleep(uint32_t seen, double timeout_s);
+
 #endif /* DPTC_ENGINE_H */

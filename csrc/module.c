@@ -174,9 +174,12 @@ typedef struct {
     PyObject_HEAD
     dptc_work *work;      /* owned */
     GroupObject *group;   /* strong */
-    PyObject *keepalive;  /* tensors the work reads or writes */
+    PyObject *keepalive;  /* (input, output): the tensors the work reads or writes */
     double timeout_s;
     void *device_stream;  /* NCCL: the CUDA stream it was issued after */
+    int op;               /* dptc_op: what result() and the future hold */
+    int size;             /* the group's size, for an all-gather's pieces */
+    PyObject *future;     /* get_future()'s torch.futures.Future, once asked for */
 } WorkObject;
 
 /* [Note: dropped device work]
@@ -247,7 +250,7 @@ static void retired_clear(dptc_module_state *st)
 /* Creates a Work around w (steals the reference to w) keeping `keepalive`
  * alive until the work has completed.  Returns a new reference. */
 static PyObject *work_new(dptc_module_state *st, GroupObject *group, dptc_work *w,
-                          PyObject *keepalive, double timeout_s)
+                          PyObject *keepalive, double timeout_s, dptc_op op)
 {
     WorkObject *self = PyObject_GC_New(WorkObject, st->work_type);
     if (!self) {
@@ -265,6 +268,9 @@ static PyObject *work_new(dptc_module_state *st, GroupObject *group, dptc_work *
     self->keepalive = Py_XNewRef(keepalive);
     self->timeout_s = timeout_s;
     self->device_stream = NULL;
+    self->op = (int)op;
+    self->size = group->size;
+    self->future = NULL;
     PyObject_GC_Track(self);
     return (PyObject *)self;
 }
@@ -407,11 +413,95 @@ static PyObject *work_is_completed(WorkObject *self, PyObject *Py_UNUSED(ignored
     return PyBool_FromLong(dptc_work_is_completed(self->work));
 }
 
+/* Calls dptc._futures.<name>(self): the Python half of result() and
+ * get_future() (see [Note: futures of works] there).  Returns a new
+ * reference. */
+static PyObject *work_call_futures(WorkObject *self, const char *name)
+{
+    PyObject *module = PyImport_ImportModule("dptc._futures");
+    if (!module)
+        return NULL;
+    PyObject *out = PyObject_CallMethod(module, name, "O", (PyObject *)self);
+    Py_DECREF(module);
+    return out;
+}
+
+/* result(): the work's output tensors, as torch's gloo Work.result() gives
+ * them (see dptc/_futures.py); RuntimeError before completion, as torch's,
+ * and the collective's own exception when it failed. */
+static PyObject *work_result(WorkObject *self, PyObject *Py_UNUSED(ignored))
+{
+    if (!dptc_work_is_completed(self->work)) {
+        PyErr_SetString(PyExc_RuntimeError, "Work needs to be completed before calling "
+                        "result(). Should call wait() before result().");
+        return NULL;
+    }
+    dptc_error err;
+    dptc_status status = dptc_work_wait(self->work, 0, &err);  /* completed: no wait */
+    if (status != DPTC_OK)
+        return group_raise(self->group, dptc_state_from_type(Py_TYPE(self)), status, &err);
+    return work_call_futures(self, "result");
+}
+
+/* get_future(): a torch.futures.Future completed with result()'s list, or
+ * with the collective's exception, when the work completes, whoever waits
+ * (see [Note: futures of works] in dptc/_futures.py).  The same future on
+ * every call. */
+static PyObject *work_get_future(WorkObject *self, PyObject *Py_UNUSED(ignored))
+{
+    if (self->future)
+        return Py_NewRef(self->future);
+    if (!self->group || !self->group->shm) {
+        PyErr_SetString(PyExc_TypeError, "this is the engine's handle of a collective on CUDA "
+                                         "tensors; call get_future() on the CudaWork dptc's "
+                                         "collective returned");
+        return NULL;
+    }
+    if (self->group->pid != getpid()) {
+        /* See [Note: forked children]: nothing completes it here. */
+        PyErr_SetString(PyExc_RuntimeError, "get_future() on a work of the process this one "
+                                            "was forked from: only that process can complete "
+                                            "it; ask for the future there");
+        return NULL;
+    }
+    PyObject *future = work_call_futures(self, "watch");
+    if (!future)
+        return NULL;
+    Py_XSETREF(self->future, Py_NewRef(future));
+    return future;
+}
+
+/* _watch(): marks the work watched (see [Note: watched works] in engine.h). */
+static PyObject *work_watch(WorkObject *self, PyObject *Py_UNUSED(ignored))
+{
+    dptc_work_watch(self->work);
+    Py_RETURN_NONE;
+}
+
+/* _parts() -> (op, input, output, group size): what dptc/_futures.py builds
+ * result()'s list from; output is a tuple for the several-output forms. */
+static PyObject *work_parts(WorkObject *self, PyObject *Py_UNUSED(ignored))
+{
+    PyObject *input = Py_None, *output = Py_None;
+    if (self->keepalive && PyTuple_Check(self->keepalive) &&
+        PyTuple_GET_SIZE(self->keepalive) == 2) {
+        input = PyTuple_GET_ITEM(self->keepalive, 0);
+        output = PyTuple_GET_ITEM(self->keepalive, 1);
+    }
+    return Py_BuildValue("(iOOi)", self->op, input, output, self->size);
+}
+
+static PyObject *work_get_timeout(WorkObject *self, void *Py_UNUSED(closure))
+{
+    return PyFloat_FromDouble(self->timeout_s);
+}
+
 static int work_traverse(WorkObject *self, visitproc visit, void *arg)
 {
     Py_VISIT(Py_TYPE(self));
     Py_VISIT(self->group);
     Py_VISIT(self->keepalive);
+    Py_VISIT(self->future);
     return 0;
 }
 
@@ -421,6 +511,7 @@ static int work_clear(WorkObject *self)
      * unfinished work]). */
     if (self->work && !dptc_work_is_completed(self->work))
         return 0;
+    Py_CLEAR(self->future);
     Py_CLEAR(self->keepalive);
     Py_CLEAR(self->group);
     return 0;
@@ -468,12 +559,27 @@ static PyMethodDef work_methods[] = {
      "is_completed() -> bool"},
     {"wait_stream", (PyCFunction)work_wait_stream, METH_O,
      "wait_stream(stream) -> True\n\nMakes the CUDA stream wait for this collective (NCCL)."},
+    {"result", (PyCFunction)work_result, METH_NOARGS,
+     "result() -> list of tensors\n\nThe collective's output tensors, as torch's gloo Work "
+     "gives them; RuntimeError before it completed, its error if it failed."},
+    {"get_future", (PyCFunction)work_get_future, METH_NOARGS,
+     "get_future() -> torch.futures.Future\n\nCompleted with result()'s list when the "
+     "collective completes (no wait needed), or with its exception."},
+    {"_watch", (PyCFunction)work_watch, METH_NOARGS, NULL},
+    {"_parts", (PyCFunction)work_parts, METH_NOARGS, NULL},
     {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef work_getset[] = {
+    {"_timeout", (getter)work_get_timeout, NULL,
+     "seconds a wait() without a timeout waits (twice the group's timeout and a second)", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
 };
 
 static PyType_Slot work_slots[] = {
     {Py_tp_doc, "Handle of an asynchronous dptc collective."},
     {Py_tp_methods, work_methods},
+    {Py_tp_getset, work_getset},
     {Py_tp_traverse, work_traverse},
     {Py_tp_clear, work_clear},
     {Py_tp_dealloc, work_dealloc},
@@ -995,7 +1101,7 @@ static PyObject *group_submit(GroupObject *self, PyObject *const *args, Py_ssize
         PyErr_Restore(type, value, traceback);
         return NULL;
     }
-    PyObject *work = work_new(st, self, w, keep, timeout);
+    PyObject *work = work_new(st, self, w, keep, timeout, is.coll.op);
     Py_DECREF(keep);
     if (work && !self->shm) {
         ((WorkObject *)work)->device_stream = is.coll.device_stream;
@@ -1300,6 +1406,54 @@ static PyType_Spec group_spec = {
 };
 
 /* ------------------------------------------------------------------ */
+/* The watched works' count, for dptc/_futures.py's watcher (see [Note:
+ * watched works] in engine.h) */
+
+static PyObject *watched_count(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(ignored))
+{
+    return PyLong_FromUnsignedLong(dptc_watched_count());
+}
+
+static PyObject *watched_wake(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(ignored))
+{
+    dptc_watched_wake();
+    Py_RETURN_NONE;
+}
+
+/* _watched_sleep(seen, timeout): sleeps, GIL released, while the count is
+ * `seen`, at most timeout seconds (None: no limit). */
+static PyObject *watched_sleep(PyObject *Py_UNUSED(module), PyObject *const *args,
+                               Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "expected (seen, timeout)");
+        return NULL;
+    }
+    unsigned long seen = PyLong_AsUnsignedLong(args[0]);
+    if (seen == (unsigned long)-1 && PyErr_Occurred())
+        return NULL;
+    double timeout = -1.0;
+    if (args[1] != Py_None) {
+        timeout = PyFloat_AsDouble(args[1]);
+        if (timeout == -1.0 && PyErr_Occurred())
+            return NULL;
+        if (!(timeout >= 0))
+            timeout = 0;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    dptc_watched_sleep((uint32_t)seen, timeout);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef watched_functions[] = {
+    {"_watched_count", watched_count, METH_NOARGS, NULL},
+    {"_watched_wake", watched_wake, METH_NOARGS, NULL},
+    {"_watched_sleep", (PyCFunction)(void (*)(void))watched_sleep, METH_FASTCALL, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+/* ------------------------------------------------------------------ */
 /* Module */
 
 static int add_exception(PyObject *module, PyObject **slot, const char *name, PyObject *bases,
@@ -1361,7 +1515,8 @@ static int module_exec(PyObject *module)
     dptc_module_state *st = dptc_state(module);
     if (add_type(module, &st->group_type, &group_spec) < 0 ||
         add_type(module, &st->work_type, &work_spec) < 0 ||
-        add_type(module, &st->shared_type, &shared_spec) < 0 || add_exceptions(module, st) < 0)
+        add_type(module, &st->shared_type, &shared_spec) < 0 || add_exceptions(module, st) < 0 ||
+        PyModule_AddFunctions(module, watched_functions) < 0)
         return -1;
     if (dptc_reducer_module_exec(module, st) < 0 || dptc_shard_module_exec(module, st) < 0)
         return -1;

@@ -18,9 +18,11 @@ import torch
 import torch.distributed as dist
 
 from . import _cuda
+from . import _futures
 from . import _ranges
 from ._dtypes import (BITWISE_REDOPS, OP_ALL_GATHER, OP_ALL_REDUCE, OP_BARRIER, OP_BROADCAST,
                       OP_REDUCE_SCATTER, dtype_code, redop_code, redop_name)
+from ._C import DistError
 from .group import resolve
 
 __all__ = ["ReduceOp", "all_reduce", "broadcast", "all_gather_into_tensor",
@@ -137,18 +139,55 @@ def _cuda_device(input, output):
 
 class CudaWork:
     """The handle of a collective on CUDA tensors: ``wait()`` makes the current CUDA stream
-    wait for it without blocking the host, as torch's NCCL Work does."""
+    wait for it without blocking the host, as torch's NCCL Work does; ``result()`` and
+    ``get_future()`` as torch's NCCL Work's."""
 
-    __slots__ = ("_c", "_device")
+    __slots__ = ("_c", "_device", "_future")
 
     def __init__(self, work, device):
-        self._c, self._device = work, device
+        self._c, self._device, self._future = work, device, None
 
     def wait(self, timeout=None):
         return self._c.wait_stream(torch.cuda.current_stream(self._device))
 
     def is_completed(self):
         return self._c.is_completed()
+
+    def result(self):
+        """The output tensors, as torch's NCCL Work.result(): [tensor] for all_reduce and
+        broadcast, [output] for all_gather_into_tensor and reduce_scatter_tensor, [] for
+        barrier; at once, their values ready in stream order (after wait())."""
+        return _futures.value(self._c, nccl=True)
+
+    def get_future(self):
+        """A CUDA-aware torch.futures.Future of result()'s list, completed at once, as torch's
+        NCCL Work's: its wait(), value() and .then() callbacks make the current stream wait for
+        the collective, not the host.  A collective already known to have failed gives a
+        future holding its exception."""
+        if self._future is None:
+            future = torch.futures.Future(devices=[self._device])
+            # The future's events are recorded on a stream of dptc's that waits for the
+            # collective, so the caller's stream does not wait until it uses the future.
+            side = _future_stream(self._device)
+            try:
+                self._c.wait_stream(side)
+            except DistError as error:
+                future.set_exception(error)
+            else:
+                with torch.cuda.stream(side):
+                    future.set_result(_futures.value(self._c, nccl=True))
+            self._future = future
+        return self._future
+
+
+_future_streams = {}   # device -> the stream CudaWork futures record their events on
+
+
+def _future_stream(device):
+    stream = _future_streams.get(device)
+    if stream is None:
+        stream = _future_streams[device] = torch.cuda.Stream(device)
+    return stream
 
 
 def _check_nccl_redop(collective, redop):
