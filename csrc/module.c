@@ -449,19 +449,19 @@ static PyObject *work_result(WorkObject *self, PyObject *Py_UNUSED(ignored))
  * every call. */
 static PyObject *work_get_future(WorkObject *self, PyObject *Py_UNUSED(ignored))
 {
+    if (self->group && self->group->pid != getpid()) {
+        /* See [Note: forked children]: nothing completes it here. */
+        PyErr_SetString(PyExc_RuntimeError, "get_future() on a work of the process this one "
+                                            "was forked from: only that process can complete "
+                                            "it; ask for the future there");
+        return NULL;
+    }
     if (self->future)
         return Py_NewRef(self->future);
     if (!self->group || !self->group->shm) {
         PyErr_SetString(PyExc_TypeError, "this is the engine's handle of a collective on CUDA "
                                          "tensors; call get_future() on the CudaWork dptc's "
                                          "collective returned");
-        return NULL;
-    }
-    if (self->group->pid != getpid()) {
-        /* See [Note: forked children]: nothing completes it here. */
-        PyErr_SetString(PyExc_RuntimeError, "get_future() on a work of the process this one "
-                                            "was forked from: only that process can complete "
-                                            "it; ask for the future there");
         return NULL;
     }
     PyObject *future = work_call_futures(self, "watch");
