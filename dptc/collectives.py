@@ -4,10 +4,13 @@ Each function checks its arguments, then hands C the tensors themselves with the
 counts and dtype codes; C asks each tensor for its data pointer and the bytes move in C with the
 GIL released.  ``group`` is anything torch accepts (see group.resolve); on a rank outside the
 group a collective does nothing and returns None, as torch's do.
-With ``async_op=True`` the function returns a handle (``wait()``,
-``is_completed()``) that keeps the tensors alive until the work completes.  CUDA tensors go
-through the group's NCCL engine, ordered after the work of the current CUDA stream; there,
-``wait()`` and a blocking call make the current stream wait, not the host.
+With ``async_op=True`` the function returns a handle (``wait()``, ``is_completed()``,
+``result()``, ``get_future()``) that keeps the tensors alive until the work completes;
+``result()`` and the future's value are torch's gloo lists (see [Note: futures of works] in
+_futures.py), and the future completes when the collective does, with nobody waiting.  CUDA
+tensors go through the group's NCCL engine, ordered after the work of the current CUDA stream;
+there, ``wait()`` and a blocking call make the current stream wait, not the host, and
+``result()`` and ``get_future()`` are torch's NCCL Work's (CudaWork).
 While a torch profiler records, each call runs inside a named range (see [Note: profiler
 ranges] in _ranges.py).
 """
