@@ -444,3 +444,39 @@ def test_a_peers_failure_ends_a_stuck_wait(fake):
     assert r1["error"] is not None, r1
     assert "rank 0 gave up on purpose" in r1["error"]["message"], r1
     assert r1["waited_s"] < 5.0, r1          # its deadline is 30 s away
+
+
+def test_cuda_work_result_is_nccls(fake):
+    """CudaWork.result() gives torch's NCCL Work.result() lists: [tensor] for all_reduce and
+    broadcast, [output] for the all-gather (whole, where gloo's are per-rank pieces) and the
+    reduce-scatter, [] for barrier; the engine's handle of a NCCL collective refuses
+    get_future() and names CudaWork (its get_future() needs torch's CUDA streams: GPU only)."""
+    result = _run(fake, """
+        from dptc.collectives import CudaWork
+        g = group()
+        f32 = dtype_code(torch.float32)
+        x, out = torch.arange(4.0), torch.zeros(4)
+        gathered, scattered = torch.zeros(4), torch.zeros(4)
+        works = {
+            "all_reduce": (g.submit(OP_ALL_REDUCE, f32, 0, x, x, 4, 0, 0, None), x),
+            "broadcast": (g.submit(OP_BROADCAST, f32, 0, out, out, 4, 0, 0, None), out),
+            "all_gather": (g.submit(OP_ALL_GATHER, f32, 0, torch.ones(4), gathered, 4, 0, 0,
+                                    None), gathered),
+            "reduce_scatter": (g.submit(OP_REDUCE_SCATTER, f32, 0, torch.ones(4), scattered,
+                                        4, 0, 0, None), scattered),
+            "barrier": (g.submit(OP_BARRIER, f32, 0, None, None, 0, 0, 0, None), None),
+        }
+        found = {}
+        for name, (w, tensor) in works.items():
+            w.synchronize()
+            listed = CudaWork(w, "cuda:0").result()
+            found[name] = [len(listed), all(t is tensor for t in listed)]
+        found["engine_get_future"] = error(works["all_reduce"][0].get_future)
+        g.close()
+        print(json.dumps(found))
+    """)
+    for name in ("all_reduce", "broadcast", "all_gather", "reduce_scatter"):
+        assert result[name] == [1, True], (name, result)
+    assert result["barrier"] == [0, True], result
+    assert result["engine_get_future"][0] == "TypeError", result
+    assert "CudaWork" in result["engine_get_future"][1], result
