@@ -16,7 +16,8 @@ bucket's gradients are in it, with a ``GradBucket`` (torch's interface: ``index(
 holds the bucket's gradients, not divided by the world size; it returns a
 ``torch.futures.Future`` whose value, one tensor of the bucket's size, becomes the gradients.
 torch's PowerSGD, quantization, post-local-SGD and debugging hooks run this way.  The hook's
-own communication goes where it sends it (``torch.distributed`` calls go through gloo); dptc
+own communication goes where it sends it (``torch.distributed`` calls go through gloo;
+``dptc.all_reduce(..., async_op=True).get_future()`` through dptc's engine); dptc
 waits for each future at the end of backward within the group's timeout, and raises as soon as
 the group fails (see [Note: Python comm hooks] in csrc/reducer.c).
 

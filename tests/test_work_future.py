@@ -74,6 +74,17 @@ def test_reduce_scatter_future_holds_the_output():
         assert got["same_object"] and got["then_calls"] == got["done_calls"] == 1, (rank, got)
 
 
+def test_several_outputs_future_holds_the_outputs():
+    """dptc's all_gather_into_tensors (no torch counterpart): [the outputs passed]."""
+    for rank in range(WORLD):
+        got = _values("dptc")[rank]["all_gather_into_tensors"]
+        pieces = [[float(i + 10 * r) for r in range(WORLD) for i in range(lo, hi)]
+                  for lo, hi in ((0, 2), (2, 5))]
+        assert got["future"] == [[[2 * WORLD], "torch.float32", pieces[0], None],
+                                 [[3 * WORLD], "torch.float32", pieces[1], None]], (rank, got)
+        assert got["same_objects"] and got["result_same"], (rank, got)
+
+
 def test_result_before_completion_raises_as_torch():
     """result() while the collective still waits for a peer: torch's RuntimeError."""
     want, got = _values("torch")[0]["result_early"], _values("dptc")[0]["result_early"]

@@ -145,10 +145,24 @@ def values(impl):
         except Exception as exc:  # noqa: BLE001
             record["result"] = _error(exc)
         out[name] = record
+    if api.name == "dptc":
+        out["all_gather_into_tensors"] = _several_outputs(api, rank, size)
     out["result_early"] = _result_early(api, rank)
     out["late_future"] = _late_future(api, rank)
     api.barrier()
     return out
+
+
+def _several_outputs(api, rank, size):
+    """dptc's all_gather_into_tensors: the future holds its outputs, the objects passed."""
+    first, second = torch.zeros(size * 2), torch.zeros(size * 3)
+    work = api.module.all_gather_into_tensors([first, second], torch.arange(5.0) + 10 * rank,
+                                              async_op=True)
+    value = work.get_future().wait()
+    return {"future": [_describe(t, None) for t in value],
+            "same_objects": len(value) == 2 and value[0] is first and value[1] is second,
+            "result_same": [t.data_ptr() for t in work.result()] ==
+                           [t.data_ptr() for t in value]}
 
 
 def _result_early(api, rank):
