@@ -133,15 +133,21 @@ def _run():
             if _stopping:
                 return
             ready, deadline = _take_ready()
-        for work, future, when in ready:
-            try:
-                _settle(work, future, when)
-            except Exception:  # noqa: BLE001 - one bad future must not stop the others
-                logger.exception("dptc: completing the future of a collective failed")
-        if not ready:
+        if ready:
+            _settle_all(ready)   # a function: no reference to a work outlives it here
+            del ready
+        else:
             left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
             _C._watched_sleep(seen, left)
-        del ready
+
+
+def _settle_all(ready):
+    for work, future, deadline in ready:
+        try:
+            _settle(work, future, deadline)
+        except Exception:  # noqa: BLE001 - one bad future must not stop the others
+            logger.exception("dptc: completing the future of a collective failed")
+    ready.clear()
 
 
 def _stop():
