@@ -20,10 +20,10 @@ per process, the watcher, started at the first get_future() of a work still runn
   by the watcher as wait() would: that aborts the group, and the future gets DistTimeoutError.
   The engine's own deadlines normally fail it first.
 - Exit: the watcher is a daemon thread, stopped by an atexit handler registered when it starts,
-  so it runs before group.py's (registered earlier) destroys the groups.  It never completes a future during
-  the interpreter's finalisation, when a thread woken from a C++ wait (torch's Future.wait)
-  would have to take the GIL and be ended by pthread_exit (see [Note: torch groups at exit] in
-  group.py).  Futures still pending at exit stay pending; their works are released after the
+  so it runs before group.py's (registered earlier) destroys the groups.  It never completes a
+  future during the interpreter's finalisation, when a thread woken from a C++ wait (torch's
+  Future.wait) would have to take the GIL and be ended by pthread_exit (see [Note: torch groups
+  at exit] in group.py).  Futures still pending at exit stay pending; their works are released after the
   groups are destroyed, which completes them.
 - Fork: a forked child (a DataLoader worker) has no watcher and no engine threads.  It forgets
   the parent's pending futures (they stay pending there) and never watches a work of the
