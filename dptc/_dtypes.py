@@ -65,9 +65,7 @@ _REDOPS = [
     (dist.ReduceOp.BOR, REDOP_BOR),
     (dist.ReduceOp.BXOR, REDOP_BXOR),
 ]
-_REDOP_NAMES = {REDOP_SUM: "SUM", REDOP_AVG: "AVG", REDOP_MAX: "MAX", REDOP_MIN: "MIN",
-                REDOP_PRODUCT: "PRODUCT", REDOP_BAND: "BAND", REDOP_BOR: "BOR",
-                REDOP_BXOR: "BXOR"}
+_REDOP_NAMES = {code: torch_op.name for torch_op, code in _REDOPS}
 BITWISE_REDOPS = (REDOP_BAND, REDOP_BOR, REDOP_BXOR)
 
 
