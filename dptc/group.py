@@ -60,6 +60,7 @@ STAGINGS = {"auto": 2, "cached": 0, "streamed": 1}
 _default = None
 _generation = 0
 _owns_torch_group = False
+_torch_store = None        # the TCPStore dptc made for torch.distributed (see _env_store)
 _owner_pid = None          # the process that set dptc up (see _forked_child)
 _world_nodes = None        # node index of every global rank
 _new_groups = 0            # dptc.new_group calls so far (names their store prefixes)
@@ -253,13 +254,73 @@ def _init_torch(timeout, explicit):
             if name not in os.environ:
                 raise ValueError(f"{name} is not set; launch with torchrun, or set RANK, "
                                  f"WORLD_SIZE, MASTER_ADDR and MASTER_PORT")
-        dist.init_process_group("gloo", timeout=delta, **_restart_store(delta))
+        dist.init_process_group("gloo", timeout=delta,
+                                **(_restart_store(delta) or _env_store(delta)))
     else:
         _check_single_process()
         # A plain `python script.py`: one rank.
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=delta)
     _owns_torch_group = True
+
+
+# A key the store server of a finished initialisation carries: see [Note: the last store].
+_RETIRED_KEY = "dptc/retired"
+
+
+def _env_store(delta):
+    """The TCP store of torchrun's environment, as torch's env:// rendezvous makes it (rank 0
+    serves it on MASTER_PORT), but never a store that a finished initialisation left behind.
+
+    [Note: the last store]
+    A script that initialises again after destroy_process_group (a tutorial's setup() and
+    cleanup() in a loop) races: a rank that comes round first connects to MASTER_PORT while
+    rank 0, still in the last step, serves the last initialisation's store there.  It then
+    reads that store's keys (gloo dials rank 0's old address) until rank 0 frees the store,
+    and fails with "Broken pipe" or waits until the timeout, while rank 0 waits for it on the
+    new store.  torch alone hangs the same way when rank 0 is a second late.  So the rank that
+    leaves an initialisation marks its store retired (_retire_torch_store), and a rank that
+    finds the mark where it connected drops the connection and tries again, until rank 0
+    serves a new store or the timeout.
+    """
+    global _torch_store
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    use_libuv = os.environ.get("USE_LIBUV", "1") == "1"
+    deadline = time.monotonic() + delta.total_seconds()
+    while True:
+        store = dist.TCPStore(host, port, size, is_master=rank == 0, timeout=delta,
+                              multi_tenant=True, use_libuv=use_libuv)
+        if not store.check([_RETIRED_KEY]):
+            _torch_store = store
+            return {"store": store, "rank": rank, "world_size": size}
+        del store
+        if rank == 0:
+            # multi_tenant hands rank 0 the server a live store object still holds.
+            raise RuntimeError(
+                f"the TCP store of the last initialisation is still served on MASTER_PORT="
+                f"{port} by this process (an object still holds it); drop every reference "
+                f"to torch.distributed's old store before initialising again")
+        if time.monotonic() > deadline:
+            raise dist.DistStoreError(
+                f"rank {rank}: {host}:{port} still serves the store of the last "
+                f"initialisation after {delta.total_seconds():g} s; rank 0 has not "
+                f"initialised again (call destroy_process_group and init_process_group on "
+                f"every rank)")
+        time.sleep(0.05)
+
+
+def _retire_torch_store():
+    """Marks the store dptc made for the last initialisation as retired and drops it (see
+    [Note: the last store]); its server is gone already where rank 0 left first."""
+    global _torch_store
+    store, _torch_store = _torch_store, None
+    if store is None:
+        return
+    try:
+        store.set(_RETIRED_KEY, "1")
+    except dist.DistError:
+        pass
 
 
 def _check_single_process():
@@ -633,7 +694,9 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
             return _default
         # torch.distributed's default group, which dptc's builds on, was destroyed under it
         # (torch's destroy_process_group in a script set up with dptc's init): start again.
+        _retire_torch_store()
         destroy_process_group()
+        gc.collect()
     if backend not in (None, "dptc", "gloo", "cpu:gloo"):
         raise ValueError(f"backend must be None, 'dptc' or 'gloo', got {backend!r}; dptc "
                          f"moves CPU bytes itself and uses gloo only between nodes")
@@ -826,7 +889,7 @@ def _forked_child():
 
 
 def _shutdown():
-    global _owns_torch_group
+    global _owns_torch_group, _torch_store
     if _forked_child():
         return
     destroy_process_group()
@@ -837,6 +900,7 @@ def _shutdown():
         _release_mesh_groups()
         gc.collect()
     _owns_torch_group = False
+    _torch_store = None
 
 
 def _release_mesh_groups():

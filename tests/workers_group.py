@@ -66,9 +66,12 @@ def single_process():
     return [dptc.get_world_size(), t.tolist(), out.tolist()]
 
 
-def reinit_after_torch_destroy():
+def reinit_after_torch_destroy(lag: float = 0.0):
     """dptc's init, torch's destroy (a tutorial's cleanup()), dptc's init again: a working
-    dptc group over a working torch.distributed, twice."""
+    dptc group over a working torch.distributed, twice.  Rank 0 sleeps `lag` seconds before
+    each destroy, so that rank 1 comes round to MASTER_PORT while rank 0 still serves the last
+    initialisation's store ([Note: the last store] in dptc/group.py)."""
+    import time
     import torch.distributed as dist
     import dptc
     sums = []
@@ -79,6 +82,8 @@ def reinit_after_torch_destroy():
         box = [dptc.get_rank()]
         dist.broadcast_object_list(box, src=1)
         sums.append([t[0].item(), box[0], dist.is_initialized()])
+        if dptc.get_rank() == 0:
+            time.sleep(lag)
         dist.destroy_process_group()
     return sums
 
