@@ -30,6 +30,7 @@ gradients.
 """
 
 import math
+import weakref
 
 import torch
 from torch import nn
@@ -835,18 +836,34 @@ class Unit:
         for p in self.params:
             self._hook(p)
 
+    # [Note: hooks hold their unit weakly]
+    # torch keeps a tensor's post-accumulate-grad hooks in C++ (its autograd metadata), and
+    # Python's garbage collector does not look into them: a cycle from the unsharded parameter
+    # through its hook back to the parameter is never collected.  A hook that held its unit
+    # (or its bucket, whose params hold the unsharded parameters) kept every dropped
+    # fully_shard and FSDP1 model alive, with its shard buffers, unsharded storage and
+    # shared-memory reduce rings: about 10 memory maps per model in tests/test_soak.py.  So the
+    # hook reaches the unit and its bucket through weak references; while the model lives they
+    # always resolve (the unit holds its buckets, the module its unit), and once it is dropped
+    # a graph that outlived it has nothing to count.
+
     def _hook(self, p):
         if p.hook is not None or not p.unsharded.requires_grad:
             return
         bucket = next(b for b in self.buckets if p in b.params)
         index = bucket.params.index(p)
+        # Weak: see [Note: hooks hold their unit weakly].
+        unit_ref, bucket_ref = weakref.ref(self), weakref.ref(bucket)
 
         # A frame dynamo skips: see [Note: torch.compile] in dptc/_compile.py.
         @_dynamo_skipped
         def hook(_param):
+            unit, bucket = unit_ref(), bucket_ref()
+            if unit is None or bucket is None:
+                return   # the model was dropped while a graph through it lived on
             if bucket.c.grad_ready(index) and all(
-                    b.c.ready == len(b.params) for b in self.buckets):
-                self.on_complete(self)
+                    b.c.ready == len(b.params) for b in unit.buckets):
+                unit.on_complete(unit)
         p.hook = p.unsharded.register_post_accumulate_grad_hook(hook)
 
     def has_frozen_params(self):
