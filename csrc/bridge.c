@@ -104,14 +104,15 @@ dptc_status dptc_bridge_call(dptc_bridge *b, dptc_bridge_op op, dptc_dtype dtype
 }
 
 dptc_status dptc_bridge_check(dptc_bridge *b, dptc_op op, dptc_dtype dtype, dptc_redop redop,
-                              size_t count, uint64_t seq, int root, const char *text,
-                              dptc_error *err)
+                              size_t count, uint64_t seq, int root, uint64_t pieces,
+                              const char *text, dptc_error *err)
 {
     PyGILState_STATE gil = PyGILState_Ensure();
     dptc_status status = DPTC_OK;
-    PyObject *result = PyObject_CallFunction(b->callable, "iiiinKis", (int)DPTC_BRIDGE_CHECK,
+    PyObject *result = PyObject_CallFunction(b->callable, "iiiinKisK", (int)DPTC_BRIDGE_CHECK,
                                              (int)op, (int)dtype, (int)redop, (Py_ssize_t)count,
-                                             (unsigned long long)seq, root, text);
+                                             (unsigned long long)seq, root, text,
+                                             (unsigned long long)pieces);
     if (!result) {
         status = take_exception(b, err);
     } else if (result != Py_None) {

@@ -24,10 +24,12 @@ dptc_status dptc_bridge_call(dptc_bridge *b, dptc_bridge_op op, dptc_dtype dtype
                              int root, dptc_error *err);
 /* Compares this collective's fingerprint with the ranks of my local index on
  * every other node; DPTC_ERR_MISMATCH naming both sides when they differ.
- * `text` describes mine for the message. */
+ * pieces is the digest of a several-output all-gather's pieces (0 for any
+ * other collective; see [Note: several pieces] in shm.c).  `text` describes
+ * mine for the message. */
 dptc_status dptc_bridge_check(dptc_bridge *b, dptc_op op, dptc_dtype dtype, dptc_redop redop,
-                              size_t count, uint64_t seq, int root, const char *text,
-                              dptc_error *err);
+                              size_t count, uint64_t seq, int root, uint64_t pieces,
+                              const char *text, dptc_error *err);
 void dptc_bridge_free(dptc_bridge *b);
 
 #endif /* DPTC_BRIDGE_H */

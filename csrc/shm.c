@@ -60,13 +60,16 @@
 #endif
 
 #define SHM_MAGIC 0x64707463u /* "dptc" */
-#define SHM_VERSION 2u
+#define SHM_VERSION 3u
 #define CACHE_LINE 64
 #define ALIGN_BYTES 4096
 #define SLEEP_SLICE_S 0.02
 #define REASON_MAX 512
 /* See [Note: all-reduce rounds]. */
 #define ALL_REDUCE_ROUND_BYTES (256 * 1024)
+
+/* The first piece counts a fingerprint shows in a mismatch's message. */
+#define FINGERPRINT_PIECES 4
 
 typedef struct {
     uint32_t op, dtype, redop;
@@ -75,6 +78,11 @@ typedef struct {
     uint64_t seq;
     uint64_t shared;   /* 1 + id of the shared buffer the tensor lies in, or 0 */
     uint64_t offset;   /* the tensor's byte offset in that buffer */
+    /* An all-gather into several outputs places each rank's elements by its pieces, so ranks
+     * must agree on them, not only on the count (see [Note: several pieces]); 0 elsewhere. */
+    uint64_t npieces;                    /* its number of outputs */
+    uint64_t pieces_digest;              /* of every piece's count, see pieces_digest */
+    uint64_t piece[FINGERPRINT_PIECES];  /* the first counts, for the message */
 } fingerprint;
 
 /* The collectives whose data goes through the staging slots, each staged
@@ -404,6 +412,44 @@ static dptc_status step(channel *ch, double deadline, dptc_error *err)
 /* ------------------------------------------------------------------ */
 /* Fingerprints (see [Note: collective order] in engine.h) */
 
+/* FNV-1a over the piece counts of a several-output all-gather, kept to 63
+ * bits so that the cross-node check carries it in an int64. */
+static uint64_t pieces_digest(const dptc_coll *c)
+{
+    uint64_t h = 1469598103934665603ull;
+    for (int j = 0; j < c->noutputs; j++) {
+        uint64_t v = (uint64_t)c->output_counts[j];
+        for (int b = 0; b < 8; b++) {
+            h ^= (v >> (8 * b)) & 0xff;
+            h *= 1099511628211ull;
+        }
+    }
+    return h & 0x7fffffffffffffffull;
+}
+
+static int has_pieces(const dptc_coll *c)
+{
+    return c->op == DPTC_OP_ALL_GATHER && c->noutputs > 1;
+}
+
+/* ", pieces [2, 4]" (the first FINGERPRINT_PIECES, then how many), or "". */
+static void describe_pieces(const fingerprint *f, char *out, size_t n)
+{
+    out[0] = '\0';
+    if (f->npieces == 0)
+        return;
+    size_t used = (size_t)snprintf(out, n, ", pieces [");
+    uint64_t shown = f->npieces < FINGERPRINT_PIECES ? f->npieces : FINGERPRINT_PIECES;
+    for (uint64_t j = 0; j < shown && used < n; j++)
+        used += (size_t)snprintf(out + used, n - used, "%s%llu", j ? ", " : "",
+                                 (unsigned long long)f->piece[j]);
+    if (used < n && f->npieces > shown)
+        used += (size_t)snprintf(out + used, n - used, ", ... %llu pieces",
+                                 (unsigned long long)f->npieces);
+    if (used < n)
+        snprintf(out + used, n - used, "]");
+}
+
 static void describe(const fingerprint *f, char *out, size_t n)
 {
     if (f->shared) {
@@ -424,10 +470,13 @@ static void describe(const fingerprint *f, char *out, size_t n)
                  dptc_op_name((dptc_op)f->op), dptc_dtype_name((dptc_dtype)f->dtype),
                  (unsigned long long)f->count, dptc_redop_name((dptc_redop)f->redop),
                  (unsigned long long)f->seq);
-    else  /* no reduce op to name: an all-gather, or a transport's own step */
-        snprintf(out, n, "%s(%s, count=%llu) (collective #%llu)",
+    else {  /* no reduce op to name: an all-gather, or a transport's own step */
+        char pieces[128];
+        describe_pieces(f, pieces, sizeof pieces);
+        snprintf(out, n, "%s(%s, count=%llu%s) (collective #%llu)",
                  dptc_op_name((dptc_op)f->op), dptc_dtype_name((dptc_dtype)f->dtype),
-                 (unsigned long long)f->count, (unsigned long long)f->seq);
+                 (unsigned long long)f->count, pieces, (unsigned long long)f->seq);
+    }
 }
 
 static void fingerprint_of(channel *ch, const dptc_coll *c, uint64_t seq,
@@ -448,6 +497,12 @@ static void fingerprint_of(channel *ch, const dptc_coll *c, uint64_t seq,
         f->root = c->root;
     if (c->op == DPTC_OP_ALL_REDUCE || c->op == DPTC_OP_REDUCE_SCATTER)
         f->redop = (uint32_t)c->redop;
+    if (has_pieces(c)) {
+        f->npieces = (uint64_t)c->noutputs;
+        f->pieces_digest = pieces_digest(c);
+        for (int j = 0; j < c->noutputs && j < FINGERPRINT_PIECES; j++)
+            f->piece[j] = (uint64_t)c->output_counts[j];
+    }
 }
 
 /* Called after the first step of a collective: every peer's fingerprint of
@@ -497,7 +552,7 @@ static dptc_status check_across_nodes(channel *ch, const dptc_coll *c, uint64_t 
     char text[256];
     describe(f, text, sizeof text);
     dptc_status status = dptc_bridge_check(ch->bridge, c->op, c->dtype, c->redop, c->count, seq,
-                                           c->root, text, err);
+                                           c->root, f->pieces_digest, text, err);
     if (status != DPTC_OK)
         shm_abort(&ch->s->base, status, err->message);
     return status;
@@ -562,7 +617,14 @@ static dptc_status bridge(channel *ch, dptc_bridge_op op, const dptc_coll *c,
  * with zeros.
  *
  * operand_at and stage_input read elements of that concatenation;
- * place_output writes them, in block `block` of each piece. */
+ * place_output writes them, in block `block` of each piece.
+ *
+ * An all-gather's pieces decide where each rank's elements land, so ranks
+ * that split the same count differently would gather into the wrong
+ * outputs: its fingerprint carries the pieces (npieces, pieces_digest; one
+ * output is the single-output layout and carries none), and a difference is
+ * a collective mismatch on every rank, across nodes too.  An all-reduce's
+ * pieces stay out of it: they do not change the result. */
 
 /* The address of element `at` of the operand, its input or (with `output`)
  * its output; on pieces both are the pieces.  *run says how many elements

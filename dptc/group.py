@@ -515,26 +515,30 @@ def _make_bridge(engine, store, stream, local_rank, local_size, nnodes, cross, r
     def gloo(issue, what):
         _run_bridged(issue, engine, store, what)
 
-    def check(collective, dtype, redop, count, seq, root, text):
-        mine = torch.tensor([collective, dtype, redop, count, seq, root], dtype=torch.int64)
+    def check(collective, dtype, redop, count, seq, root, text, pieces):
+        # pieces: the digest of an all-gather's pieces (see [Note: several pieces] in
+        # csrc/shm.c), 0 for other collectives.
+        mine = torch.tensor([collective, dtype, redop, count, seq, root, pieces],
+                            dtype=torch.int64)
         every = torch.empty(nnodes * mine.numel(), dtype=torch.int64)
         gloo(lambda: cross._allgather_base(every, mine), "the cross-node order check")
         every = every.view(nnodes, mine.numel())
         for node in range(nnodes):
             if not torch.equal(every[node], mine):
-                c, d, r, n, q, root_ = every[node].tolist()
+                c, d, r, n, q, root_, p = every[node].tolist()
                 dtype_name = str(torch_dtype(d)).replace("torch.", "") if 0 <= d < 9 else d
+                split = f", pieces digest {p:#x}" if p else ""
                 theirs = (f"{_OP_NAMES.get(c, c)}({dtype_name}, count={n}, op code {r}, "
-                          f"root {root_}) (collective #{q} of stream {stream})")
+                          f"root {root_}{split}) (collective #{q} of stream {stream})")
                 me = [n_ for n_ in range(nnodes) if torch.equal(every[n_], mine)][0]
                 return (f"collective mismatch: global rank {global_rank(me)} issued {text} but "
                         f"global rank {global_rank(node)} issued {theirs}; every rank must "
                         f"issue the same collectives in the same order")
         return None
 
-    def bridge(op, dtype, redop, offset, offset2=0, count=0, root=0, text=None):
+    def bridge(op, dtype, redop, offset, offset2=0, count=0, root=0, text=None, pieces=0):
         if op == BRIDGE_CHECK:
-            return check(dtype, redop, offset, offset2, count, root, text)
+            return check(dtype, redop, offset, offset2, count, root, text, pieces)
         dt = torch_dtype(dtype)
         nbytes = count * element_size(dt)
         view = slot[offset:offset + nbytes].view(dt)

@@ -278,3 +278,33 @@ def test_gather_mismatch_names_no_reduce_op():
                          "all_gather_into_tensor(float32, count=3) (collective #1)"):
             assert fragment in result["error"], (fragment, result["error"])
         assert "op=" not in result["error"], result["error"]
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_gather_pieces_mismatch_raises_everywhere(shared):
+    """all_gather_into_tensors whose pieces differ between ranks (the same total, so the
+    count alone matches) raises CollectiveMismatchError on every rank, naming both sides'
+    pieces, instead of gathering each rank's elements into the wrong outputs."""
+    results = run_ranks("tests.workers_bad_input:pieces_mismatch", 2, args={"shared": shared},
+                        timeout=RUN_TIMEOUT_S, expect_failure=True)
+    for result in results:
+        assert result["error_type"] == "CollectiveMismatchError", result
+        for fragment in ("global rank 0 issued all_gather_into_tensor(float32, count=6, "
+                         "pieces [2, 4])", "global rank 1 issued all_gather_into_tensor("
+                         "float32, count=6, pieces [4, 2])"):
+            assert fragment in result["error"], (fragment, result["error"])
+
+
+def test_gather_pieces_mismatch_across_nodes_raises_everywhere():
+    """The same across 2 simulated nodes whose ranks agree within the node: the cross-node
+    check compares the pieces too (by digest), so every rank raises instead of gathering
+    into the wrong outputs."""
+    results = run_ranks("tests.workers_bad_input:pieces_mismatch", 4, nnodes=2,
+                        args={"by_node": True}, timeout=RUN_TIMEOUT_S, expect_failure=True)
+    for rank, result in enumerate(results):
+        assert result["error_type"] == "CollectiveMismatchError", result
+        # This rank's pieces, and the other node's by digest.
+        mine = "[2, 4]" if rank < 2 else "[4, 2]"
+        for fragment in (f"global rank {rank} issued all_gather_into_tensor(float32, count=6, "
+                         f"pieces {mine})", "pieces digest 0x"):
+            assert fragment in result["error"], (fragment, result["error"])

@@ -205,3 +205,24 @@ def gather_mismatch():
     count = 4 if rank == 0 else 3
     api.all_gather_into_tensor(torch.empty(2 * count), torch.ones(count))
     return "completed"
+
+
+def pieces_mismatch(shared: bool = False, by_node: bool = False):
+    """all_gather_into_tensors with the same total on every rank but other pieces: rank 0
+    gathers pieces of 2 and 4 elements, the others of 4 and 2 (with `by_node`, the ranks of
+    the first half, one simulated node, 2 and 4).  Every rank must raise, naming both sides'
+    pieces; with `shared` the input lies in a shared buffer (FSDP's path)."""
+    import dptc
+    api = load_impl("dptc")
+    rank, world_size = api.get_rank(), api.get_world_size()
+    api.all_reduce(torch.ones(2))
+    first = rank < world_size // 2 if by_node else rank == 0
+    pieces = [2, 4] if first else [4, 2]
+    if shared:
+        mine = dptc.group.default_group().empty_shared(6, torch.float32)
+        mine.copy_(torch.arange(6.0) + 10 * rank)
+    else:
+        mine = torch.arange(6.0) + 10 * rank
+    outputs = [torch.zeros(world_size * n) for n in pieces]
+    api.module.all_gather_into_tensors(outputs, mine)
+    return [out.tolist() for out in outputs]

@@ -13,10 +13,11 @@ dptc_status dptc_bridge_call(dptc_bridge *b, dptc_bridge_op op, dptc_dtype dtype
 }
 
 dptc_status dptc_bridge_check(dptc_bridge *b, dptc_op op, dptc_dtype dtype, dptc_redop redop,
-                              size_t count, uint64_t seq, int root, const char *text,
-                              dptc_error *err)
+                              size_t count, uint64_t seq, int root, uint64_t pieces,
+                              const char *text, dptc_error *err)
 {
-    (void)b, (void)op, (void)dtype, (void)redop, (void)count, (void)seq, (void)root, (void)text;
+    (void)b, (void)op, (void)dtype, (void)redop, (void)count, (void)seq, (void)root, (void)pieces,
+        (void)text;
     return dptc_fail(err, DPTC_ERR_INVALID, "a one-node test group checked the bridge");
 }
 
