@@ -32,6 +32,16 @@
  * ops: dptc_reduce refuses them, as torch's gloo does.
  *
  * Floating MAX and MIN propagate NaN, like torch.maximum and torch.minimum.
+ *
+ * [Note: AVG divides]
+ * AVG is SUM followed by a division of the sum by the number of ranks, as
+ * torch's gloo computes it (sum / n), not a multiplication by 1/n: 1/n is
+ * inexact unless n is a power of two, and x * fl(1/n) then differs from
+ * x / n by an ulp for about a third of all x at n = 3.  Where n is a power
+ * of two, 1/n is exact and x * (1/n) rounds the same real number as x / n,
+ * so the kernels multiply there (the cheaper instruction) and divide
+ * otherwise; either way the result is the correctly rounded quotient.
+ * bfloat16 and float16 divide their float32 sum and round once.
  */
 #include "reduce.h"
 
@@ -204,7 +214,12 @@ static inline uint16_t f32_to_f16(float f)
 typedef void (*combine_fn)(void *dst, const void *a, const void *b,
                            size_t n);
 typedef void (*fold_fn)(void *dst, const void *src, size_t n);
-typedef void (*scale_fn)(void *buf, size_t n, double scale);
+typedef void (*divide_fn)(void *buf, size_t n, int divisor);
+
+static inline bool is_power_of_two(int n)
+{
+    return n > 0 && (n & (n - 1)) == 0;
+}
 
 /* See [Note: reduction kernels]. */
 #define DEFINE_SAME_KERNELS(name, T, OP)                                   \
@@ -262,33 +277,47 @@ DEFINE_SAME_KERNELS(bool_any, uint8_t, EITHER)
 DEFINE_SAME_KERNELS(bool_all, uint8_t, BOTH)
 DEFINE_SAME_KERNELS(bool_differ, uint8_t, DIFFER)
 
+/* See [Note: AVG divides]. */
 HOT_LOOP
-static void f32_scale(void *buf, size_t n, double scale)
+static void f32_divide(void *buf, size_t n, int divisor)
 {
     float *restrict d = buf;
-    float s = (float)scale;
+    float q = (float)divisor;
+    if (is_power_of_two(divisor)) {
+        float r = 1.0f / q;
+        for (size_t i = 0; i < n; i++)
+            d[i] *= r;
+        return;
+    }
     for (size_t i = 0; i < n; i++)
-        d[i] *= s;
+        d[i] /= q;
 }
 
 HOT_LOOP
-static void f64_scale(void *buf, size_t n, double scale)
+static void f64_divide(void *buf, size_t n, int divisor)
 {
     double *restrict d = buf;
+    double q = (double)divisor;
+    if (is_power_of_two(divisor)) {
+        double r = 1.0 / q;
+        for (size_t i = 0; i < n; i++)
+            d[i] *= r;
+        return;
+    }
     for (size_t i = 0; i < n; i++)
-        d[i] *= scale;
+        d[i] /= q;
 }
 
 /* What the driver needs to know of an element type besides its kernels:
- * its size and, for floating types, how to scale a block. */
+ * its size and, for floating types, how to divide a block (AVG). */
 typedef struct {
     size_t size;
-    scale_fn scale;
+    divide_fn divide;
 } same_type;
 
 static const same_type same_types[DPTC_DTYPE_COUNT] = {
-    [DPTC_FLOAT32] = {sizeof(float), f32_scale},
-    [DPTC_FLOAT64] = {sizeof(double), f64_scale},
+    [DPTC_FLOAT32] = {sizeof(float), f32_divide},
+    [DPTC_FLOAT64] = {sizeof(double), f64_divide},
     [DPTC_INT32] = {sizeof(int32_t), NULL},
     [DPTC_INT64] = {sizeof(int64_t), NULL},
     [DPTC_UINT8] = {sizeof(uint8_t), NULL},
@@ -349,7 +378,7 @@ typedef void (*half_combine_fn)(float *acc, const void *a, const void *b,
                                 size_t n);
 typedef void (*half_fold_fn)(float *acc, const void *src, size_t n);
 typedef void (*half_store_fn)(void *dst, const float *acc, size_t n,
-                              float scale);
+                              int divisor);
 
 typedef struct {
     half_load_fn load;
@@ -358,7 +387,8 @@ typedef struct {
     half_store_fn store;
 } half_kernels;
 
-/* A format's conversions: load a block, store one scaled and rounded. */
+/* A format's conversions: load a block, store one divided (see [Note: AVG
+ * divides]; divisor 1 for every other op) and rounded. */
 #define DEFINE_HALF_FORMAT(fmt)                                            \
     HOT_LOOP                                                              \
     static void fmt##_load(float *acc, const void *src, size_t n)         \
@@ -370,12 +400,19 @@ typedef struct {
     }                                                                     \
     HOT_LOOP                                                              \
     static void fmt##_store(void *dst, const float *acc, size_t n,        \
-                            float scale)                                  \
+                            int divisor)                                  \
     {                                                                     \
         uint16_t *restrict d = dst;                                       \
         const float *restrict s = acc;                                    \
+        float q = (float)divisor;                                         \
+        if (is_power_of_two(divisor)) {                                   \
+            float r = 1.0f / q;                                           \
+            for (size_t i = 0; i < n; i++)                                \
+                d[i] = f32_to_##fmt(s[i] * r);                            \
+            return;                                                       \
+        }                                                                 \
         for (size_t i = 0; i < n; i++)                                    \
-            d[i] = f32_to_##fmt(s[i] * scale);                            \
+            d[i] = f32_to_##fmt(s[i] / q);                                \
     }
 
 DEFINE_HALF_FORMAT(bf16)
@@ -475,17 +512,20 @@ F16C_TARGET static void f16c_load(float *acc, const void *src, size_t n)
 }
 
 F16C_TARGET static void f16c_store(void *dst, const float *acc, size_t n,
-                                   float scale)
+                                   int divisor)
 {
     uint16_t *d = dst;
-    __m256 factor = _mm256_set1_ps(scale);
+    int multiply = is_power_of_two(divisor);
+    __m256 q = _mm256_set1_ps((float)divisor);
+    __m256 r = _mm256_set1_ps(1.0f / (float)divisor);
     size_t i = 0;
     for (; i + 8 <= n; i += 8) {
-        __m256 x = _mm256_mul_ps(_mm256_loadu_ps(acc + i), factor);
+        __m256 x = _mm256_loadu_ps(acc + i);
+        x = multiply ? _mm256_mul_ps(x, r) : _mm256_div_ps(x, q);
         __m128i h = _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT);
         _mm_storeu_si128((__m128i *)(d + i), h);
     }
-    f16_store(d + i, acc + i, n - i, scale);
+    f16_store(d + i, acc + i, n - i, divisor);
 }
 
 #define DEFINE_F16C_KERNELS(name, VOP)                                     \
@@ -596,10 +636,10 @@ static void build_same_block(const same_kernels *k, block_site site,
         k->fold(target, source_at(srcs[s], byte_offset), n);
 }
 
-/* scale != 1.0 only for floating types (checked by dptc_reduce). */
+/* divisor != 1 only for floating types (checked by dptc_reduce). */
 static void reduce_same(const same_type *type, const same_kernels *k,
                         void *dst, const void *const *srcs, int nsrc,
-                        size_t count, double scale)
+                        size_t count, int divisor)
 {
     block_buffer scratch;
     block_site site = choose_block_site(dst, srcs, nsrc);
@@ -611,8 +651,8 @@ static void reduce_same(const same_type *type, const same_kernels *k,
         char *out = (char *)dst + byte_offset;
         void *target = site == SITE_SCRATCH ? (void *)&scratch : out;
         build_same_block(k, site, target, srcs, nsrc, byte_offset, n, size);
-        if (scale != 1.0)
-            type->scale(target, n, scale);
+        if (divisor != 1)
+            type->divide(target, n, divisor);
         if (site == SITE_SCRATCH)
             memcpy(out, target, n * size);
     }
@@ -622,7 +662,7 @@ static void reduce_same(const same_type *type, const same_kernels *k,
  * stored into dst last, so dst may alias any source. */
 static void reduce_half(const half_kernels *k, void *dst,
                         const void *const *srcs, int nsrc, size_t count,
-                        double scale)
+                        int divisor)
 {
     float acc[BLOCK_BYTES / sizeof(float)];
     size_t per_block = BLOCK_BYTES / sizeof(float);
@@ -636,12 +676,12 @@ static void reduce_half(const half_kernels *k, void *dst,
                        source_at(srcs[1], byte_offset), n);
         for (int s = 2; s < nsrc; s++)
             k->fold(acc, source_at(srcs[s], byte_offset), n);
-        k->store((char *)dst + byte_offset, acc, n, (float)scale);
+        k->store((char *)dst + byte_offset, acc, n, divisor);
     }
 }
 
-static void scale_half(const half_kernels *k, void *buf, size_t count,
-                       float scale)
+static void divide_half(const half_kernels *k, void *buf, size_t count,
+                        int divisor)
 {
     float block[BLOCK_BYTES / sizeof(float)];
     size_t per_block = BLOCK_BYTES / sizeof(float);
@@ -649,7 +689,7 @@ static void scale_half(const half_kernels *k, void *buf, size_t count,
         size_t n = count - start < per_block ? count - start : per_block;
         char *at = (char *)buf + start * sizeof(uint16_t);
         k->load(block, at, n);
-        k->store(at, block, n, scale);
+        k->store(at, block, n, divisor);
     }
 }
 
@@ -691,7 +731,7 @@ static bool has_null_buffer(const void *dst, const void *const *srcs,
 
 dptc_status dptc_reduce(void *dst, const void *const *srcs, int nsrc,
                         size_t count, dptc_dtype dtype, dptc_redop op,
-                        double scale, dptc_error *err)
+                        int divisor, dptc_error *err)
 {
     if (!is_valid_dtype(dtype))
         return dptc_fail(err, DPTC_ERR_INVALID, "reduce: dtype code %d is not a dtype",
@@ -699,7 +739,7 @@ dptc_status dptc_reduce(void *dst, const void *const *srcs, int nsrc,
     if (!is_valid_redop(op))
         return dptc_fail(err, DPTC_ERR_INVALID,
                          "reduce of %s: op %s (code %d) is not one the kernels run "
-                         "(AVG arrives as SUM with scale 1/n)",
+                         "(AVG arrives as SUM with divisor n)",
                          dptc_dtype_name(dtype), dptc_redop_name(op), (int)op);
     if (is_bitwise(op) && is_floating(dtype))
         return dptc_fail(err, DPTC_ERR_INVALID,
@@ -708,10 +748,11 @@ dptc_status dptc_reduce(void *dst, const void *const *srcs, int nsrc,
     if (nsrc < 1)
         return dptc_fail(err, DPTC_ERR_INVALID, "reduce %s of %s: needs a source, got nsrc %d",
                          dptc_redop_name(op), dptc_dtype_name(dtype), nsrc);
-    if (scale != 1.0 && !is_floating(dtype))
+    if (divisor < 1 || (divisor != 1 && !is_floating(dtype)))
         return dptc_fail(err, DPTC_ERR_INVALID,
-                         "reduce %s of %s: scale %g needs a floating dtype (1.0 for integers)",
-                         dptc_redop_name(op), dptc_dtype_name(dtype), scale);
+                         "reduce %s of %s: divisor %d must be 1 for integer dtypes and >= 1 "
+                         "for floating ones", dptc_redop_name(op), dptc_dtype_name(dtype),
+                         divisor);
     if (count == 0)
         return DPTC_OK;
     if (has_null_buffer(dst, srcs, nsrc))
@@ -719,36 +760,38 @@ dptc_status dptc_reduce(void *dst, const void *const *srcs, int nsrc,
                          dptc_redop_name(op), count, dptc_dtype_name(dtype));
     if (dtype == DPTC_BFLOAT16 || dtype == DPTC_FLOAT16) {
         reduce_half(half_kernels_for(dtype, op), dst, srcs, nsrc, count,
-                    scale);
+                    divisor);
         return DPTC_OK;
     }
     reduce_same(&same_types[dtype], &same_table[dtype][op], dst, srcs, nsrc,
-                count, scale);
+                count, divisor);
     return DPTC_OK;
 }
 
-dptc_status dptc_scale(void *buf, size_t count, dptc_dtype dtype,
-                       double scale, dptc_error *err)
+dptc_status dptc_divide(void *buf, size_t count, dptc_dtype dtype,
+                        int divisor, dptc_error *err)
 {
     if (!is_valid_dtype(dtype) || !is_floating(dtype))
         return dptc_fail(err, DPTC_ERR_INVALID,
-                         "scale by %g: %s (code %d) is not a floating dtype", scale,
+                         "divide by %d: %s (code %d) is not a floating dtype", divisor,
                          dptc_dtype_name(dtype), (int)dtype);
-    if (count == 0 || scale == 1.0)
+    if (divisor < 1)
+        return dptc_fail(err, DPTC_ERR_INVALID, "divide %s by %d: the divisor must be >= 1",
+                         dptc_dtype_name(dtype), divisor);
+    if (count == 0 || divisor == 1)
         return DPTC_OK;
     if (buf == NULL)
-        return dptc_fail(err, DPTC_ERR_INVALID, "scale of %zu %s elements by %g: buffer is NULL",
-                         count, dptc_dtype_name(dtype), scale);
+        return dptc_fail(err, DPTC_ERR_INVALID, "divide %zu %s elements by %d: buffer is NULL",
+                         count, dptc_dtype_name(dtype), divisor);
     switch (dtype) {
     case DPTC_FLOAT32:
-        f32_scale(buf, count, scale);
+        f32_divide(buf, count, divisor);
         break;
     case DPTC_FLOAT64:
-        f64_scale(buf, count, scale);
+        f64_divide(buf, count, divisor);
         break;
     default:
-        scale_half(half_kernels_for(dtype, DPTC_SUM), buf, count,
-                   (float)scale);
+        divide_half(half_kernels_for(dtype, DPTC_SUM), buf, count, divisor);
         break;
     }
     return DPTC_OK;

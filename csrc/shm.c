@@ -703,13 +703,13 @@ static dptc_status all_reduce_small(channel *ch, const dptc_coll *c, uint64_t se
     for (int p = 0; p < s->local_size; p++)
         srcs[p] = slot_buffer(ch, p, ch->rounds);
     ch->rounds++;
-    double scale = is_avg(c) ? 1.0 / (s->local_size * s->nnodes) : 1.0;
+    int divisor = is_avg(c) ? s->local_size * s->nnodes : 1;
     if (c->noutputs == 0)
         return dptc_reduce(c->output, srcs, s->local_size, c->count, c->dtype, base_redop(c),
-                           scale, err);
+                           divisor, err);
     for (int j = 0; j < c->noutputs; j++) {
         CHECK(dptc_reduce(c->outputs[j], srcs, s->local_size, c->output_counts[j], c->dtype,
-                          base_redop(c), scale, err));
+                          base_redop(c), divisor, err));
         for (int p = 0; p < s->local_size; p++)
             srcs[p] = (const unsigned char *)srcs[p] + c->output_counts[j] * elsize;
     }
@@ -920,7 +920,7 @@ static void stage_chunk(channel *ch, const dptc_coll *c, dptc_shm_staging stagin
  * and the peers' slots into my output, and streams the result into my slot
  * (`mine`) for the peers. */
 static dptc_status reduce_mine_streamed(channel *ch, const dptc_coll *c, size_t done, size_t lo,
-                                        size_t hi, unsigned char *mine, double scale,
+                                        size_t hi, unsigned char *mine, int divisor,
                                         dptc_error *err)
 {
     shm_transport *s = ch->s;
@@ -939,7 +939,7 @@ static dptc_status reduce_mine_streamed(channel *ch, const dptc_coll *c, size_t 
             srcs[p] = p == s->local_rank ? (const void *)from
                                          : (const void *)(slot_buffer(ch, p, ch->rounds) +
                                                           at * elsize);
-        CHECK(dptc_reduce(to, srcs, s->local_size, take, c->dtype, base_redop(c), scale, err));
+        CHECK(dptc_reduce(to, srcs, s->local_size, take, c->dtype, base_redop(c), divisor, err));
         copy_streaming(mine + (at - lo) * elsize, to, take * elsize);
         at += take;
     }
@@ -962,7 +962,7 @@ static dptc_status all_reduce_large(channel *ch, const dptc_coll *c, uint64_t se
     int streamed = staging == DPTC_SHM_STAGING_STREAMED;
     int first = 1;
     double started = 0;
-    double scale = is_avg(c) ? 1.0 / (n * s->nnodes) : 1.0;
+    int divisor = is_avg(c) ? n * s->nnodes : 1;
     for (size_t done = 0; done < c->count || first;) {
         size_t chunk = c->count - done < chunk_max ? c->count - done : chunk_max;
         stage_chunk(ch, c, staging, done, chunk, part_max,
@@ -975,17 +975,17 @@ static dptc_status all_reduce_large(channel *ch, const dptc_coll *c, uint64_t se
         size_t lo = my.lo, hi = my.hi;
         unsigned char *mine = slot_buffer(ch, s->local_rank, ch->rounds) + lo * elsize;
         if (hi > lo && streamed) {
-            CHECK(reduce_mine_streamed(ch, c, done, lo, hi, mine, scale, err));
+            CHECK(reduce_mine_streamed(ch, c, done, lo, hi, mine, divisor, err));
         } else if (hi > lo) {
             const void *srcs[DPTC_MAX_LOCAL];
             for (int p = 0; p < n; p++)
                 srcs[p] = slot_buffer(ch, p, ch->rounds) + lo * elsize;
-            double local_scale = ch->bridge ? 1.0 : scale;
-            CHECK(dptc_reduce(mine, srcs, n, hi - lo, c->dtype, base_redop(c), local_scale, err));
+            int local_divisor = ch->bridge ? 1 : divisor;
+            CHECK(dptc_reduce(mine, srcs, n, hi - lo, c->dtype, base_redop(c), local_divisor, err));
             if (ch->bridge) {
                 CHECK(bridge(ch, DPTC_BRIDGE_ALL_REDUCE, c, mine, NULL, hi - lo, 0, err));
-                if (scale != 1.0)
-                    CHECK(dptc_scale(mine, hi - lo, c->dtype, scale, err));
+                if (divisor != 1)
+                    CHECK(dptc_divide(mine, hi - lo, c->dtype, divisor, err));
             }
         }
         if (done + chunk >= c->count)
@@ -1023,7 +1023,7 @@ static dptc_status all_reduce_shared(channel *ch, const dptc_coll *c, uint64_t s
     /* In pieces that stay in the core's cache between the reduce and the
      * copies (see [Note: all-reduce rounds]); no step between pieces. */
     size_t piece = elements_per(ALL_REDUCE_ROUND_BYTES, elsize);
-    double scale = is_avg(c) ? 1.0 / n : 1.0;
+    int divisor = is_avg(c) ? n : 1;
     for (size_t from = lo; from < hi; from += piece) {
         size_t count = hi - from < piece ? hi - from : piece;
         size_t at = ch->shared_offset + from * elsize;
@@ -1031,7 +1031,7 @@ static dptc_status all_reduce_shared(channel *ch, const dptc_coll *c, uint64_t s
         for (int p = 0; p < n; p++)
             srcs[p] = ch->in_shared->base[p] + at;
         unsigned char *mine = ch->in_shared->base[s->local_rank] + at;
-        CHECK(dptc_reduce(mine, srcs, n, count, c->dtype, base_redop(c), scale, err));
+        CHECK(dptc_reduce(mine, srcs, n, count, c->dtype, base_redop(c), divisor, err));
         for (int p = 0; p < n; p++)
             if (p != s->local_rank)
                 memcpy(ch->in_shared->base[p] + at, mine, count * elsize);
@@ -1137,8 +1137,8 @@ static dptc_status reduce_scatter_shared(channel *ch, const dptc_coll *c, uint64
     const void *srcs[DPTC_MAX_LOCAL];
     for (int p = 0; p < s->local_size; p++)
         srcs[p] = ch->in_shared->base[p] + at;
-    double scale = is_avg(c) ? 1.0 / s->local_size : 1.0;
-    CHECK(dptc_reduce(c->output, srcs, s->local_size, c->count, c->dtype, base_redop(c), scale, err));
+    int divisor = is_avg(c) ? s->local_size : 1;
+    CHECK(dptc_reduce(c->output, srcs, s->local_size, c->count, c->dtype, base_redop(c), divisor, err));
     return step(ch, deadline, err);
 }
 
@@ -1191,7 +1191,7 @@ static dptc_status all_gather(channel *ch, const dptc_coll *c, uint64_t seq,
 /* dst = op over the nsrc sources, any number of them (nodes may outnumber
  * DPTC_MAX_LOCAL): the first batch reduces into dst, later ones fold into it. */
 static dptc_status reduce_many(void *dst, const void *const *srcs, int nsrc, size_t count,
-                               const dptc_coll *c, double scale, dptc_error *err)
+                               const dptc_coll *c, int divisor, dptc_error *err)
 {
     const void *batch[DPTC_MAX_LOCAL];
     int done = 0;
@@ -1202,7 +1202,7 @@ static dptc_status reduce_many(void *dst, const void *const *srcs, int nsrc, siz
         while (k < DPTC_MAX_LOCAL && done < nsrc)
             batch[k++] = srcs[done++];
         CHECK(dptc_reduce(dst, batch, k, count, c->dtype, base_redop(c),
-                          done == nsrc ? scale : 1.0, err));
+                          done == nsrc ? divisor : 1, err));
     }
     return DPTC_OK;
 }
@@ -1225,7 +1225,7 @@ static dptc_status reduce_scatter(channel *ch, const dptc_coll *c, uint64_t seq,
     size_t window_max = elements_per(s->slot_bytes / windows, elsize);
     const unsigned char *in = c->input;
     unsigned char *out = c->output;
-    double scale = is_avg(c) ? 1.0 / n : 1.0;
+    int divisor = is_avg(c) ? n : 1;
     if (ch->in_shared)
         return reduce_scatter_shared(ch, c, seq, deadline, err);
     CHECK(check_window(s, window_max, err));
@@ -1254,7 +1254,7 @@ static dptc_status reduce_scatter(channel *ch, const dptc_coll *c, uint64_t seq,
                 srcs[p] = slot_buffer(ch, p, ch->rounds) + g * window_max * elsize;
             void *dst = ch->bridge ? scratch + (size_t)node * w * elsize : out + done * elsize;
             CHECK(dptc_reduce(dst, srcs, s->local_size, w, c->dtype, base_redop(c),
-                              ch->bridge ? 1.0 : scale, err));
+                              ch->bridge ? 1 : divisor, err));
         }
         if (ch->bridge && w > 0) {
             CHECK(bridge(ch, DPTC_BRIDGE_ALL_TO_ALL, c, scratch, received, w, 0, err));
@@ -1267,7 +1267,7 @@ static dptc_status reduce_scatter(channel *ch, const dptc_coll *c, uint64_t seq,
             }
             for (int node = 0; node < s->nnodes; node++)
                 from[node] = received + (size_t)node * w * elsize;
-            dptc_status status = reduce_many(out + done * elsize, from, s->nnodes, w, c, scale,
+            dptc_status status = reduce_many(out + done * elsize, from, s->nnodes, w, c, divisor,
                                              err);
             if (from != srcs)
                 free(from);

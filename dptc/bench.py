@@ -53,9 +53,11 @@ _DTYPES = {
     "float16": torch.float16, "int32": torch.int32, "int64": torch.int64,
     "uint8": torch.uint8, "int8": torch.int8, "bool": torch.bool,
 }
-_REDOPS = {"sum": dist.ReduceOp.SUM, "product": dist.ReduceOp.PRODUCT,
-           "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX, "band": dist.ReduceOp.BAND,
+_REDOPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG,
+           "product": dist.ReduceOp.PRODUCT, "min": dist.ReduceOp.MIN,
+           "max": dist.ReduceOp.MAX, "band": dist.ReduceOp.BAND,
            "bor": dist.ReduceOp.BOR, "bxor": dist.ReduceOp.BXOR}
+_FLOATING = ("float32", "float64", "bfloat16", "float16")
 # The bitwise reductions (integer and bool dtypes only, as torch's gloo).
 _BITWISE = {"band": operator.and_, "bor": operator.or_, "bxor": operator.xor}
 _OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
@@ -266,6 +268,8 @@ def reduced_value(values, redop_name, dtype):
         return any(values) if redop_name in ("sum", "max") else all(values)
     if redop_name == "sum":
         return sum(values)
+    if redop_name == "avg":
+        return sum(values) / len(values)
     if redop_name == "product":
         return math.prod(values)
     return max(values) if redop_name == "max" else min(values)
@@ -486,6 +490,9 @@ def parse_args(argv):
     for name in dtypes:
         if name not in _DTYPES:
             parser.error(f"--dtype: {name!r} is not one of {', '.join(_DTYPES)}")
+    if args.redop == "avg" and any(name not in _FLOATING for name in dtypes):
+        parser.error(f"--redop avg needs floating dtypes ({', '.join(_FLOATING)}), got "
+                     f"--dtype {args.dtype}")
     if args.min_bytes > args.max_bytes:
         parser.error(f"--min-bytes ({args.min_bytes}) must be <= --max-bytes ({args.max_bytes})")
     for name in ("iters", "warmup"):

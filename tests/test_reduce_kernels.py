@@ -2,7 +2,7 @@
 process group: tests/c/test_reduce.c is built with reduce.c and common.c
 (dptc_fail, dtype names) alone and run.
 
-It compares every dtype and op (AVG as SUM scaled by 1/n), 1 to 4 sources,
+It compares every dtype and op (AVG as SUM divided by n), 1 to 4 sources,
 counts 0 to 20011 (two of reduce.c's blocks and a tail for every dtype), in
 place and out of place, against references computed in double precision; see
 the file's header for how they are computed.

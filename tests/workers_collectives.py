@@ -740,3 +740,106 @@ def bad_arguments(impl: str):
                         f"expected {expected}")
     api.destroy_process_group()
     return failures
+
+
+# ---------------------------------------------------------------------------------------------
+# AVG against torch's gloo, bit for bit (same process: gloo's default group and dptc's engine)
+
+AVG_SIZES = (1, 1023, 300_001)
+
+
+def _avg_input(kind, dtype, n, seed, case, rank):
+    """"random": uniform in [-1, 1) (sums depend on the order of the additions); "exact":
+    multiples of a power of two small enough that every partial sum over <= 4 ranks is exact in
+    the dtype, whatever the order, while the division by the group size still rounds."""
+    g = _generator(seed, 30_000 + case, rank)
+    if kind == "random":
+        return (torch.rand(n, generator=g, dtype=torch.float64) * 2 - 1).to(dtype)
+    bits = {torch.float32: 21, torch.float64: 50, torch.bfloat16: 6, torch.float16: 9}[dtype]
+    ints = torch.randint(-(1 << bits) + 1, 1 << bits, (n,), generator=g, dtype=torch.int64)
+    return (ints.to(torch.float64) * 2.0 ** -bits).to(dtype)
+
+
+def _bits(tensor):
+    return tensor.view(_BITS_VIEW[tensor.dtype])
+
+
+def avg_against_gloo(seed: int):
+    """all_reduce and reduce_scatter_tensor with AVG and SUM, through torch's gloo and through
+    dptc in the same ranks, on float32, float64, bfloat16 and float16, "random" and "exact"
+    inputs (see _avg_input) of AVG_SIZES elements; all_reduce also on a dptc shared buffer.
+    Returns one record per case: element counts where dptc's AVG differs from gloo's AVG
+    ("avg"), from dptc's own SUM divided by the group size in the dtype ("own"), and where
+    dptc's SUM differs from gloo's ("sum") or gloo's AVG from gloo's SUM / n ("gloo_own"),
+    the elements where the AVGs differ but the SUMs agree ("avg_not_sum"), and where dptc's
+    AVG differs from its definition, ((x0 + x1) + ...) / n of every rank's regenerated input
+    x, added and divided in float32 for the 16-bit dtypes and rounded once ("formula")."""
+    import torch.distributed as dist
+    load_impl("torch")
+    import dptc
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    group = dptc.group.default_group()
+    shared = {dtype: group.empty_shared(max(AVG_SIZES), dtype) for dtype in FLOATING}
+    records = []
+    case = 0
+    for dtype in FLOATING:
+        for kind in ("random", "exact"):
+            for n in AVG_SIZES:
+                for collective in ("all_reduce", "reduce_scatter_tensor"):
+                    places = ("plain", "shared") if collective == "all_reduce" else ("plain",)
+                    total = n * world_size if collective == "reduce_scatter_tensor" else n
+                    inputs = [_avg_input(kind, dtype, total, seed, case, r)
+                              for r in range(world_size)]
+                    mine = inputs[rank]
+                    case += 1
+                    out = {}
+                    for impl, module in (("gloo", dist), ("dptc", dptc)):
+                        for op in ("AVG", "SUM"):
+                            for place in (places if impl == "dptc" else ("plain",)):
+                                out[impl, op, place] = _run_avg_case(
+                                    module, collective, getattr(dist.ReduceOp, op), mine, n,
+                                    shared[dtype] if place == "shared" else None)
+                    for place in places:
+                        records.append(_avg_record(out, place, dtype, kind, n, collective,
+                                                   _avg_formula(inputs, rank, n, collective)))
+    return records
+
+
+def _run_avg_case(module, collective, op, mine, n, shared):
+    if collective == "all_reduce":
+        if shared is not None:
+            tensor = shared[:mine.numel()]
+            tensor.copy_(mine)
+        else:
+            tensor = mine.clone()
+        module.all_reduce(tensor, op=op)
+        return tensor.clone()
+    output = torch.zeros(n, dtype=mine.dtype)
+    module.reduce_scatter_tensor(output, mine.clone(), op=op)
+    return output
+
+
+def _avg_formula(inputs, rank, n, collective):
+    """dptc's AVG by definition: sources added in rank order, then divided by their number."""
+    wide = torch.float32 if inputs[0].dtype in SIXTEEN_BIT else inputs[0].dtype
+    total = inputs[0].to(wide)
+    for tensor in inputs[1:]:
+        total = total + tensor.to(wide)
+    result = (total / len(inputs)).to(inputs[0].dtype)
+    return result[rank * n:(rank + 1) * n] if collective == "reduce_scatter_tensor" else result
+
+
+def _avg_record(out, place, dtype, kind, n, collective, formula):
+    gloo_avg, gloo_sum = out["gloo", "AVG", "plain"], out["gloo", "SUM", "plain"]
+    avg, total = out["dptc", "AVG", place], out["dptc", "SUM", place]
+    avg_differs = _bits(avg) != _bits(gloo_avg)
+    sum_differs = _bits(total) != _bits(gloo_sum)
+    world_size = torch.distributed.get_world_size()
+    return {"dtype": str(dtype)[6:], "kind": kind, "n": n, "collective": collective,
+            "place": place,
+            "avg": int(avg_differs.sum()),
+            "own": int((_bits(avg) != _bits(total / world_size)).sum()),
+            "sum": int(sum_differs.sum()),
+            "gloo_own": int((_bits(gloo_avg) != _bits(gloo_sum / world_size)).sum()),
+            "avg_not_sum": int((avg_differs & ~sum_differs).sum()),
+            "formula": int((_bits(avg) != _bits(formula)).sum())}

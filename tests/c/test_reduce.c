@@ -1,4 +1,4 @@
-/* test_reduce.c — dptc_reduce and dptc_scale against references computed
+/* test_reduce.c — dptc_reduce and dptc_divide against references computed
  * in double precision, and the refusals of all three entry points.
  *
  * Built from this file, csrc/reduce.c and csrc/common.c (for dptc_fail and
@@ -225,13 +225,13 @@ static uint64_t width_mask(dptc_dtype dtype)
 typedef struct {
     dptc_dtype dtype;
     dptc_redop op;
-    double scale;
+    int divisor;
     int nsrc;
     const void *sources[MAX_SOURCES];
 } reduction;
 
 /* The expected value of element i: float32 accumulation (float64 stays in
- * double), scaled in the accumulation type, rounded once to the dtype. */
+ * double), divided in the accumulation type, rounded once to the dtype. */
 static double reference_float(const reduction *r, size_t i)
 {
     bool wide = r->dtype == DPTC_FLOAT64;
@@ -240,8 +240,8 @@ static double reference_float(const reduction *r, size_t i)
         acc = combine_float(r->op, acc, load_float(r->dtype, r->sources[k], i));
         acc = wide ? acc : (float)acc;
     }
-    if (r->scale != 1.0)
-        acc = wide ? acc * r->scale : (float)(acc * (float)r->scale);
+    if (r->divisor != 1)
+        acc = wide ? acc / r->divisor : (float)((float)acc / (float)r->divisor);
     return round_to_dtype(r->dtype, acc);
 }
 
@@ -325,8 +325,8 @@ static void report(const char *what, const char *fmt, ...)
 static void describe(char *out, size_t size, const reduction *r, size_t count,
                      const char *placement)
 {
-    snprintf(out, size, "%s %s scale=%g nsrc=%d count=%zu %s",
-             dtypes[r->dtype].name, op_names[r->op], r->scale, r->nsrc,
+    snprintf(out, size, "%s %s divisor=%d nsrc=%d count=%zu %s",
+             dtypes[r->dtype].name, op_names[r->op], r->divisor, r->nsrc,
              count, placement);
 }
 
@@ -464,7 +464,7 @@ typedef struct {
 typedef struct {
     dptc_dtype dtype;
     dptc_redop op;
-    double scale;
+    int divisor;
     size_t count;
 } reduce_case;
 
@@ -507,7 +507,7 @@ static void run_reduce_case(const reduce_case *c, const layout *l)
     unsigned char *own_dst = l->dst_buffer < 0 ? guarded_alloc(bytes) : NULL;
     unsigned char *dst = own_dst != NULL ? own_dst : buffers[l->dst_buffer];
     const void *srcs[MAX_SOURCES];
-    reduction r = {c->dtype, c->op, c->scale, l->nsrc, {NULL}};
+    reduction r = {c->dtype, c->op, c->divisor, l->nsrc, {NULL}};
     for (int k = 0; k < l->nsrc; k++) {
         srcs[k] = buffers[l->source_buffer[k]];
         r.sources[k] = originals[l->source_buffer[k]];
@@ -516,7 +516,7 @@ static void run_reduce_case(const reduce_case *c, const layout *l)
     describe(what, sizeof what, &r, c->count, l->name);
     dptc_error err = {""};
     dptc_status status = dptc_reduce(dst, srcs, l->nsrc, c->count, c->dtype,
-                                     c->op, c->scale, &err);
+                                     c->op, c->divisor, &err);
     if (status != DPTC_OK)
         report(what, "returned status %d: %s", (int)status, err.message);
     else
@@ -565,10 +565,10 @@ static void test_all_reductions(void)
                 layout layouts[3];
                 standard_layouts(nsrc, layouts);
                 for (size_t n = 0; n < sizeof counts / sizeof counts[0]; n++) {
-                    /* AVG is SUM scaled by 1/n, as callers pass it. */
+                    /* AVG is SUM divided by n, as callers pass it. */
                     reduce_case c = {(dptc_dtype)dtype,
                                      average ? DPTC_SUM : ops[o],
-                                     average ? 1.0 / nsrc : 1.0, counts[n]};
+                                     average ? nsrc : 1, counts[n]};
                     for (int p = 0; p < 3; p++)
                         run_reduce_case(&c, &layouts[p]);
                 }
@@ -592,7 +592,7 @@ static void test_unusual_layouts(void)
                                        DPTC_INT64, DPTC_BOOL};
     for (size_t t = 0; t < sizeof types / sizeof types[0]; t++) {
         for (size_t l = 0; l < sizeof layouts / sizeof layouts[0]; l++) {
-            reduce_case c = {types[t], DPTC_SUM, 1.0, 10007};
+            reduce_case c = {types[t], DPTC_SUM, 1, 10007};
             run_reduce_case(&c, &layouts[l]);
             c.op = DPTC_MAX;
             run_reduce_case(&c, &layouts[l]);
@@ -604,7 +604,7 @@ static void test_unusual_layouts(void)
     }
 }
 
-/* ---- conversions and dptc_scale ---- */
+/* ---- conversions and dptc_divide ---- */
 
 /* Every bfloat16/float16 pattern survives a one-source reduction
  * (NaN stays NaN). */
@@ -614,7 +614,7 @@ static void test_half_round_trip(dptc_dtype dtype)
     for (size_t i = 0; i < 65536; i++)
         in[i] = (uint16_t)i;
     const void *srcs[1] = {in};
-    dptc_status status = dptc_reduce(out, srcs, 1, 65536, dtype, DPTC_SUM, 1.0,
+    dptc_status status = dptc_reduce(out, srcs, 1, 65536, dtype, DPTC_SUM, 1,
                                      NULL);
     if (status != DPTC_OK)
         report(dtypes[dtype].name, "round trip returned status %d",
@@ -631,30 +631,29 @@ static void test_half_round_trip(dptc_dtype dtype)
     elements_checked += 65536;
 }
 
-/* Every bfloat16/float16 pattern times each scale: float32 product, one
- * rounding. */
-static void test_half_scale(dptc_dtype dtype)
+/* Every bfloat16/float16 pattern divided by each divisor: float32
+ * quotient, one rounding (see [Note: AVG divides] in reduce.c). */
+static void test_half_divide(dptc_dtype dtype)
 {
-    static const double scales[] = {0.5, 1.0 / 3, 3.0, 1e-3, 1000.0,
-                                    0x1p-10, 0.75, -1.0, 0.0};
+    static const int divisors[] = {2, 3, 4, 5, 6, 7, 8, 1000, 1024};
     static uint16_t patterns[65536], buf[65536];
     for (size_t i = 0; i < 65536; i++)
         patterns[i] = (uint16_t)i;
-    for (size_t s = 0; s < sizeof scales / sizeof scales[0]; s++) {
+    for (size_t s = 0; s < sizeof divisors / sizeof divisors[0]; s++) {
         memcpy(buf, patterns, sizeof buf);
-        dptc_status status = dptc_scale(buf, 65536, dtype, scales[s], NULL);
+        dptc_status status = dptc_divide(buf, 65536, dtype, divisors[s], NULL);
         if (status != DPTC_OK)
-            report(dtypes[dtype].name, "dptc_scale returned status %d",
+            report(dtypes[dtype].name, "dptc_divide returned status %d",
                    (int)status);
         for (size_t i = 0; status == DPTC_OK && i < 65536; i++) {
             double x = load_float(dtype, patterns, i);
             double expected = round_to_dtype(
-                dtype, (float)(x * (float)scales[s]));
+                dtype, (float)((float)x / (float)divisors[s]));
             double got = load_float(dtype, buf, i);
             if (!same_float(expected, got, DPTC_SUM)) {
                 report(dtypes[dtype].name,
-                       "scale %g of %#zx: expected %.17g got %.17g (%#x)",
-                       scales[s], i, expected, got, buf[i]);
+                       "divide by %d of %#zx: expected %.17g got %.17g (%#x)",
+                       divisors[s], i, expected, got, buf[i]);
                 break;
             }
         }
@@ -662,22 +661,28 @@ static void test_half_scale(dptc_dtype dtype)
     }
 }
 
-static void test_float_scale(dptc_dtype dtype)
+/* float32 and float64 divided by divisors that are powers of two (where the
+ * kernels multiply by the exact reciprocal) and that are not (where they
+ * divide): both must give the correctly rounded quotient. */
+static void test_float_divide(dptc_dtype dtype)
 {
+    static const int divisors[] = {2, 3, 4, 5, 7, 8, 12};
     size_t count = 10007, bytes = count * dtypes[dtype].size;
     unsigned char *original = guarded_alloc(bytes);
     unsigned char *buf = guarded_alloc(bytes);
     fill_random(dtype, original, count);
-    memcpy(buf, original, bytes);
-    reduction r = {dtype, DPTC_SUM, 0.37, 1, {original}};
-    dptc_status status = dptc_scale(buf, count, dtype, r.scale, NULL);
-    if (status != DPTC_OK)
-        report(dtypes[dtype].name, "dptc_scale returned status %d",
-               (int)status);
-    else
-        check_elements("dptc_scale", &r, buf, count);
-    if (!guard_intact(buf, bytes))
-        report(dtypes[dtype].name, "dptc_scale wrote past the end");
+    for (size_t d = 0; d < sizeof divisors / sizeof divisors[0]; d++) {
+        memcpy(buf, original, bytes);
+        reduction r = {dtype, DPTC_SUM, divisors[d], 1, {original}};
+        dptc_status status = dptc_divide(buf, count, dtype, r.divisor, NULL);
+        if (status != DPTC_OK)
+            report(dtypes[dtype].name, "dptc_divide returned status %d",
+                   (int)status);
+        else
+            check_elements("dptc_divide", &r, buf, count);
+        if (!guard_intact(buf, bytes))
+            report(dtypes[dtype].name, "dptc_divide wrote past the end");
+    }
     free(original);
     free(buf);
 }
@@ -733,73 +738,79 @@ static void test_invalid_reduce(void)
                                       0.5, fresh_error()),
                    "AVG", "float32", NULL);
     expect_refusal("BAND of float32",
-                   dptc_reduce(a, srcs, 2, 4, DPTC_FLOAT32, DPTC_BAND, 1.0,
+                   dptc_reduce(a, srcs, 2, 4, DPTC_FLOAT32, DPTC_BAND, 1,
                                fresh_error()),
                    "BAND", "float32", "integer or bool", NULL);
     expect_refusal("BXOR of bfloat16",
-                   dptc_reduce(a, srcs, 2, 4, DPTC_BFLOAT16, DPTC_BXOR, 1.0,
+                   dptc_reduce(a, srcs, 2, 4, DPTC_BFLOAT16, DPTC_BXOR, 1,
                                fresh_error()),
                    "BXOR", "bfloat16", NULL);
-    expect_refusal("BOR of int32, scaled",
-                   dptc_reduce(ints, int_srcs, 1, 4, DPTC_INT32, DPTC_BOR, 0.5,
+    expect_refusal("BOR of int32, divided",
+                   dptc_reduce(ints, int_srcs, 1, 4, DPTC_INT32, DPTC_BOR, 2,
                                fresh_error()),
-                   "int32", "BOR", "0.5", NULL);
+                   "int32", "BOR", "divisor 2", NULL);
     expect_refusal("op out of range",
                    dptc_reduce(a, srcs, 2, 4, DPTC_FLOAT32, DPTC_REDOP_COUNT,
-                               1.0, fresh_error()),
+                               1, fresh_error()),
                    "float32", NULL);
     expect_refusal("dtype out of range",
-                   dptc_reduce(a, srcs, 2, 4, DPTC_DTYPE_COUNT, DPTC_SUM, 1.0,
+                   dptc_reduce(a, srcs, 2, 4, DPTC_DTYPE_COUNT, DPTC_SUM, 1,
                                fresh_error()),
                    "dtype", NULL);
     expect_refusal("nsrc 0", dptc_reduce(a, srcs, 0, 4, DPTC_FLOAT32,
-                                         DPTC_SUM, 1.0, fresh_error()),
+                                         DPTC_SUM, 1, fresh_error()),
                    "float32", NULL);
-    expect_refusal("int scale", dptc_reduce(ints, int_srcs, 1, 4, DPTC_INT32,
-                                            DPTC_SUM, 0.5, fresh_error()),
-                   "int32", "SUM", "0.5", NULL);
-    expect_refusal("bool scale", dptc_reduce(ints, int_srcs, 1, 4, DPTC_BOOL,
-                                             DPTC_SUM, 0.5, fresh_error()),
-                   "bool", "0.5", NULL);
+    expect_refusal("int divisor", dptc_reduce(ints, int_srcs, 1, 4, DPTC_INT32,
+                                              DPTC_SUM, 3, fresh_error()),
+                   "int32", "SUM", "divisor 3", NULL);
+    expect_refusal("bool divisor", dptc_reduce(ints, int_srcs, 1, 4, DPTC_BOOL,
+                                               DPTC_SUM, 2, fresh_error()),
+                   "bool", "divisor 2", NULL);
+    expect_refusal("divisor 0", dptc_reduce(a, srcs, 2, 4, DPTC_FLOAT32,
+                                            DPTC_SUM, 0, fresh_error()),
+                   "float32", "divisor 0", NULL);
     expect_refusal("NULL source",
                    dptc_reduce(a, null_srcs, 2, 4, DPTC_FLOAT32, DPTC_SUM,
-                               1.0, fresh_error()),
+                               1, fresh_error()),
                    "float32", "NULL", NULL);
     expect_refusal("NULL dst", dptc_reduce(NULL, srcs, 2, 4, DPTC_FLOAT32,
-                                           DPTC_SUM, 1.0, fresh_error()),
+                                           DPTC_SUM, 1, fresh_error()),
                    "float32", "NULL", NULL);
     expect_status("count 0", dptc_reduce(NULL, null_srcs, 2, 0, DPTC_FLOAT32,
-                                         DPTC_SUM, 1.0, NULL), DPTC_OK);
+                                         DPTC_SUM, 1, NULL), DPTC_OK);
     /* err may be NULL: the status alone comes back. */
-    expect_status("int scale, no error buffer",
-                  dptc_reduce(ints, int_srcs, 1, 4, DPTC_INT32, DPTC_SUM, 0.5,
+    expect_status("int divisor, no error buffer",
+                  dptc_reduce(ints, int_srcs, 1, 4, DPTC_INT32, DPTC_SUM, 2,
                               NULL),
                   DPTC_ERR_INVALID);
 }
 
-static void test_invalid_scale(void)
+static void test_invalid_divide(void)
 {
     float a[4] = {1, 2, 3, 4};
     int32_t ints[4] = {1, 2, 3, 4};
-    expect_refusal("scale int32",
-                   dptc_scale(ints, 4, DPTC_INT32, 0.5, fresh_error()),
-                   "int32", "0.5", NULL);
-    expect_refusal("scale bool",
-                   dptc_scale(ints, 4, DPTC_BOOL, 0.5, fresh_error()),
+    expect_refusal("divide int32",
+                   dptc_divide(ints, 4, DPTC_INT32, 2, fresh_error()),
+                   "int32", "2", NULL);
+    expect_refusal("divide bool",
+                   dptc_divide(ints, 4, DPTC_BOOL, 2, fresh_error()),
                    "bool", NULL);
-    expect_refusal("scale dtype out of range",
-                   dptc_scale(a, 4, DPTC_DTYPE_COUNT, 0.5, fresh_error()),
+    expect_refusal("divide dtype out of range",
+                   dptc_divide(a, 4, DPTC_DTYPE_COUNT, 2, fresh_error()),
                    "dtype", NULL);
-    expect_refusal("scale NULL", dptc_scale(NULL, 4, DPTC_FLOAT32, 0.5,
-                                            fresh_error()),
+    expect_refusal("divide by 0",
+                   dptc_divide(a, 4, DPTC_FLOAT32, 0, fresh_error()),
+                   "float32", "0", NULL);
+    expect_refusal("divide NULL", dptc_divide(NULL, 4, DPTC_FLOAT32, 2,
+                                              fresh_error()),
                    "float32", "NULL", NULL);
-    expect_status("scale int32, no error buffer",
-                  dptc_scale(ints, 4, DPTC_INT32, 0.5, NULL),
+    expect_status("divide int32, no error buffer",
+                  dptc_divide(ints, 4, DPTC_INT32, 2, NULL),
                   DPTC_ERR_INVALID);
-    expect_status("scale float32",
-                  dptc_scale(a, 4, DPTC_FLOAT32, 0.5, NULL), DPTC_OK);
+    expect_status("divide float32",
+                  dptc_divide(a, 4, DPTC_FLOAT32, 2, NULL), DPTC_OK);
     if (a[3] != 2.0f)
-        report("scale float32", "a[3] = %g, expected 2", a[3]);
+        report("divide float32", "a[3] = %g, expected 2", a[3]);
 }
 
 static void test_invalid_convert(void)
@@ -837,14 +848,14 @@ static void test_invalid_convert(void)
 int main(void)
 {
     test_invalid_reduce();
-    test_invalid_scale();
+    test_invalid_divide();
     test_invalid_convert();
     test_half_round_trip(DPTC_BFLOAT16);
     test_half_round_trip(DPTC_FLOAT16);
-    test_half_scale(DPTC_BFLOAT16);
-    test_half_scale(DPTC_FLOAT16);
-    test_float_scale(DPTC_FLOAT32);
-    test_float_scale(DPTC_FLOAT64);
+    test_half_divide(DPTC_BFLOAT16);
+    test_half_divide(DPTC_FLOAT16);
+    test_float_divide(DPTC_FLOAT32);
+    test_float_divide(DPTC_FLOAT64);
     test_unusual_layouts();
     test_all_reductions();
     printf("%ld reductions, %ld elements checked, %ld failures\n", cases_run,
