@@ -67,6 +67,9 @@ _REDOPS = [
 ]
 _REDOP_NAMES = {code: torch_op.name for torch_op, code in _REDOPS}
 BITWISE_REDOPS = (REDOP_BAND, REDOP_BOR, REDOP_BXOR)
+# torch's names of the integer scalar types, as its casting errors print them.
+_TORCH_SCALAR_NAMES = {torch.int64: "Long", torch.int32: "Int", torch.int16: "Short",
+                       torch.int8: "Char", torch.uint8: "Byte", torch.bool: "Bool"}
 
 
 def redop_name(code):
@@ -86,8 +89,12 @@ def redop_code(op, dtype, argname="op"):
         names = ", ".join(f"ReduceOp.{n}" for n in _REDOP_NAMES.values())
         raise ValueError(f"{argname}={op!r} is not supported by dptc; use one of {names}")
     if code == REDOP_AVG and not is_floating(dtype):
-        raise ValueError(f"{argname}=ReduceOp.AVG needs a floating-point tensor, got {dtype}; "
-                         f"use ReduceOp.SUM and divide, or convert to float")
+        # RuntimeError and torch's words first, as torch's gloo raises it (its AVG divides the
+        # integer sum in place, which torch's casting rules refuse).
+        raise RuntimeError(f"result type Float can't be cast to the desired output type "
+                           f"{_TORCH_SCALAR_NAMES.get(dtype, dtype)}: {argname}=ReduceOp.AVG "
+                           f"needs a floating-point tensor, got {dtype}; use ReduceOp.SUM and "
+                           f"divide, or convert the tensor to float")
     if code in BITWISE_REDOPS and is_floating(dtype):
         # RuntimeError and torch's words first, as torch's gloo raises it.
         name = _REDOP_NAMES[code]

@@ -42,6 +42,12 @@ def _check_tensor(tensor, argname):
         # The first CUDA tensor loads NCCL and the CUDA runtime (dptc.CudaLibraryError names
         # what is missing); see [Note: loading NCCL and the CUDA runtime] in csrc/cudalib.h.
         _cuda.load()
+    elif tensor.is_meta:
+        raise ValueError(f"{argname} is a meta tensor (shape {tuple(tensor.shape)}, "
+                         f"{tensor.dtype}), which holds no data to communicate; materialize "
+                         f"it first: module.to_empty(device='cpu') for a module built on the "
+                         f"meta device (then initialise its parameters), or "
+                         f"torch.empty_like({argname}, device='cpu') for a tensor")
     elif tensor.device.type != "cpu":
         raise ValueError(f"{argname} is on device {tensor.device}, but dptc moves CPU tensors "
                          f"(shared memory, gloo) and CUDA tensors (NCCL); move it with .cpu()")
@@ -52,6 +58,99 @@ def _check_tensor(tensor, argname):
         raise ValueError(f"{argname} is not contiguous (shape {tuple(tensor.shape)}, stride "
                          f"{tensor.stride()}); pass tensor.contiguous() and copy back")
     return dtype_code(tensor.dtype, argname)
+
+
+# [Note: non-contiguous tensors]
+# torch's gloo takes strided tensors (a transposed matrix, every other element of a vector) in
+# all four collectives.  dptc's engine moves contiguous bytes, so the public collectives run on
+# a contiguous copy: an input is copied before the call; a tensor the collective writes
+# (all_reduce's and broadcast's tensor, the gathered or reduced output) is copied from (when the
+# collective also reads it) and written back into once the collective completes: at once for
+# a blocking call, at wait() or result() or when its future completes for async_op=True
+# (_WrittenBack).  A tensor whose elements share memory (an expanded one, stride 0) cannot be
+# written: RuntimeError in torch's words, naming .clone(), where torch's gloo writes one element
+# several times or past the end of its storage.  all_gather_into_tensors, for FSDP's storage,
+# takes contiguous tensors only.
+
+def _staged(tensor, argname, *, read, written):
+    """(the tensor the collective runs on, the caller's tensor to write it back into or
+    None); see [Note: non-contiguous tensors].  Anything else than a non-contiguous strided
+    tensor comes back as it is, for _check_tensor to judge."""
+    try:
+        if tensor.is_contiguous():   # the hot path: one call
+            return tensor, None
+    except (AttributeError, RuntimeError):   # not a tensor, or a sparse one
+        return tensor, None
+    if tensor.layout != torch.strided or tensor.is_meta:
+        return tensor, None
+    if written and torch._debug_has_internal_overlap(tensor) == 1:
+        # RuntimeError and torch's words first, as torch's raises it for an output.
+        raise RuntimeError(f"unsupported operation: more than one element of the written-to "
+                           f"tensor refers to a single memory location: {argname} (shape "
+                           f"{tuple(tensor.shape)}, stride {tensor.stride()}) is expanded, so "
+                           f"the collective cannot write its result into it; pass "
+                           f"{argname}.clone() (a tensor of its own memory) instead")
+    if read:
+        staged = tensor.contiguous()
+    else:
+        staged = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+    return staged, (tensor if written else None)
+
+
+def _written_back(work, target, staged):
+    """The collective's return value, once the staged copy is (or will be) written back into
+    target (see [Note: non-contiguous tensors])."""
+    if work is None:
+        target.copy_(staged)
+        return None
+    return _WrittenBack(work, target, staged)
+
+
+class _WrittenBack:
+    """The handle of an async collective on a non-contiguous tensor: the collective ran on a
+    contiguous copy, written back into the caller's tensor by wait() and result(), or when its
+    future completes; otherwise the underlying handle's (see [Note: non-contiguous
+    tensors])."""
+
+    __slots__ = ("_work", "_target", "_staged", "_written")
+
+    def __init__(self, work, target, staged):
+        self._work, self._target, self._staged, self._written = work, target, staged, False
+
+    def _write_back(self):
+        if not self._written:
+            self._target.copy_(self._staged)
+            self._written = True
+
+    def _values(self, values):
+        """The work's values with the caller's tensor in place of the staged copy."""
+        self._write_back()
+        if len(values) == 1 and values[0] is self._staged:
+            return [self._target]
+        if values and all(value._base is self._staged for value in values):
+            try:   # an all-gather's per-rank pieces, as views of the caller's output
+                return list(self._target.view((len(values),) + tuple(values[0].shape))
+                            .unbind(0))
+            except RuntimeError:
+                return values
+        return values
+
+    def wait(self, timeout=None):
+        done = self._work.wait(timeout=timeout)
+        self._write_back()
+        return done
+
+    def is_completed(self):
+        return self._work.is_completed()
+
+    def result(self):
+        return self._values(self._work.result())
+
+    def get_future(self):
+        return self._work.get_future().then(lambda future: self._values(future.value()))
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
 
 
 def _as_real(tensor, argname, op=None, what=None):
@@ -228,11 +327,13 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False, *, stream=0)
     pg = resolve(group)
     if pg is None:
         return None
-    tensor = _as_real(tensor, "tensor", op, "all_reduce")
+    staged, target = _staged(tensor, "tensor", read=True, written=True)
+    tensor = _as_real(staged, "tensor", op, "all_reduce")
     code = _check_tensor(tensor, "tensor")
     redop = redop_code(op, tensor.dtype)
-    return _issue(pg, OP_ALL_REDUCE, code, redop, tensor, tensor, tensor.numel(), 0, async_op,
+    work = _issue(pg, OP_ALL_REDUCE, code, redop, tensor, tensor, tensor.numel(), 0, async_op,
                   stream)
+    return work if target is None else _written_back(work, target, staged)
 
 
 def _rank_index(value, argname, what):
@@ -250,7 +351,8 @@ def broadcast(tensor, src=None, group=None, async_op=False, group_src=None, *, s
     pg = resolve(group)
     if pg is None:
         return None
-    tensor = _as_real(tensor, "tensor")
+    staged, target = _staged(tensor, "tensor", read=True, written=True)
+    tensor = _as_real(staged, "tensor")
     code = _check_tensor(tensor, "tensor")
     if (src is None) == (group_src is None):
         raise ValueError(f"pass exactly one of src (a global rank) and group_src (a rank of the "
@@ -263,8 +365,9 @@ def broadcast(tensor, src=None, group=None, async_op=False, group_src=None, *, s
             raise ValueError(f"group_src must be a rank of the group in [0, {pg.size}), got "
                              f"{group_src!r}")
         root = group_src
-    return _issue(pg, OP_BROADCAST, code, 0, tensor, tensor, tensor.numel(), root, async_op,
+    work = _issue(pg, OP_BROADCAST, code, 0, tensor, tensor, tensor.numel(), root, async_op,
                   stream)
+    return work if target is None else _written_back(work, target, staged)
 
 
 def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False, *,
@@ -273,13 +376,17 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=Fal
     pg = resolve(group)
     if pg is None:
         return None
+    input_tensor, _ = _staged(input_tensor, "input_tensor", read=True, written=False)
+    staged, target = _staged(output_tensor, "output_tensor", read=False, written=True)
+    output_tensor = staged
     if isinstance(input_tensor, torch.Tensor) and isinstance(output_tensor, torch.Tensor) \
             and input_tensor.dtype == output_tensor.dtype:
         input_tensor = _as_real(input_tensor, "input_tensor")
         output_tensor = _as_real(output_tensor, "output_tensor")
     code = _check_pair(pg, input_tensor, "input_tensor", output_tensor, "output_tensor")
-    return _issue(pg, OP_ALL_GATHER, code, 0, input_tensor, output_tensor, input_tensor.numel(),
+    work = _issue(pg, OP_ALL_GATHER, code, 0, input_tensor, output_tensor, input_tensor.numel(),
                   0, async_op, stream)
+    return work if target is None else _written_back(work, target, staged)
 
 
 def all_gather_into_tensors(outputs, input_tensor, group=None, async_op=False, *, stream=0):
@@ -316,14 +423,18 @@ def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=F
     pg = resolve(group)
     if pg is None:
         return None
+    input, _ = _staged(input, "input", read=True, written=False)
+    staged, target = _staged(output, "output", read=False, written=True)
+    output = staged
     if isinstance(input, torch.Tensor) and isinstance(output, torch.Tensor) \
             and input.dtype == output.dtype:
         input = _as_real(input, "input", op, "reduce_scatter_tensor")
         output = _as_real(output, "output")
     code = _check_pair(pg, output, "output", input, "input")
     redop = redop_code(op, input.dtype)
-    return _issue(pg, OP_REDUCE_SCATTER, code, redop, input, output, output.numel(), 0,
+    work = _issue(pg, OP_REDUCE_SCATTER, code, redop, input, output, output.numel(), 0,
                   async_op, stream)
+    return work if target is None else _written_back(work, target, staged)
 
 
 # torch 2.13's names for the same two collectives.

@@ -24,6 +24,17 @@ What each case did before it was fixed:
         reduce_scatter_tensor)   torch: RuntimeError "Cannot use ReduceOp.BAND with
         non-integral dtype"; dptc: ValueError "op=<RedOpType.BAND: 5> is not supported by
         dptc", which it raised on integer and bool tensors too (tests/test_collectives.py)
+    all_reduce(int64 tensor, op=ReduceOp.AVG)   torch: RuntimeError "result type Float can't
+        be cast to the desired output type Long" (after summing); dptc: ValueError
+    all_reduce(tensor.t()), all_reduce(vector[::2]), broadcast, all_gather_into_tensor and
+        reduce_scatter_tensor of sliced tensors, async too   torch's gloo takes them (and
+        reduces a sliced all_reduce's storage instead of the slice); dptc: ValueError "tensor is
+        not contiguous"
+    all_gather_into_tensor/reduce_scatter_tensor into an expanded output   torch: RuntimeError
+        "more than one element of the written-to tensor refers to a single memory location";
+        dptc: ValueError "not contiguous" (all_reduce of one: torch writes past its storage)
+    all_reduce(meta tensor)   torch: does nothing; dptc: ValueError "is on device meta ...
+        move it with .cpu()", which fails for a meta tensor
     broadcast(src=np.int64(1)) or src=torch.tensor(1)   torch accepts them; dptc: ValueError
     broadcast(src=0.5 / "1"), group_src=1.0   torch: TypeError; dptc: ValueError
     DDP, fully_shard and FSDP1 over models that differ between ranks in shapes or order but
@@ -64,6 +75,11 @@ RUN_TIMEOUT_S = 150
 # case: (dptc's error type or None, fragments of its message or its value,
 #        torch's error type or None, fragment of torch's message or its value)
 _COMPLEX_SUM = [[2.0, 4.0], [-1.0, 1.0]]
+# (arange(12).reshape(3, 4) + rank).t() summed over 2 ranks, and rank 0's broadcast.
+_TRANSPOSED_SUM = [[1.0, 9.0, 17.0], [3.0, 11.0, 19.0], [5.0, 13.0, 21.0], [7.0, 15.0, 23.0]]
+_TRANSPOSED_RANK0 = [[0.0, 4.0, 8.0], [1.0, 5.0, 9.0], [2.0, 6.0, 10.0], [3.0, 7.0, 11.0]]
+_OVERLAP = ("unsupported operation: more than one element of the written-to tensor refers to a "
+            "single memory location")
 CALLS = {
     "complex_all_reduce_sum": (None, _COMPLEX_SUM, None, _COMPLEX_SUM),
     "complex_all_reduce_avg": (None, [[1.0, 2.0], [-0.5, 0.5]], None, [[1.0, 2.0], [-0.5, 0.5]]),
@@ -108,6 +124,36 @@ CALLS = {
         "Cannot use ReduceOp.BXOR with non-integral dtype", "op=ReduceOp.BXOR", "got "
         "torch.bfloat16", "tensor.bool() for flags"],
         "RuntimeError", "Cannot use ReduceOp.BXOR with non-integral dtype"),
+    # AVG of integers: torch's gloo sums, then fails to divide in place; dptc raises the same
+    # type, in torch's words first, before communicating.
+    "int_all_reduce_avg": ("RuntimeError", [
+        "result type Float can't be cast to the desired output type Long",
+        "op=ReduceOp.AVG needs a floating-point tensor, got torch.int64",
+        "use ReduceOp.SUM and divide"],
+        "RuntimeError", "result type Float can't be cast to the desired output type Long"),
+    # torch's gloo does nothing with a meta tensor; dptc names the remedy.
+    "meta_all_reduce": ("ValueError", ["tensor is a meta tensor (shape (4,), torch.float32)",
+                                       "module.to_empty(device='cpu')"], None, "None"),
+    # Non-contiguous tensors (see [Note: non-contiguous tensors] in dptc/collectives.py).
+    "all_reduce_transposed": (None, [_TRANSPOSED_SUM, True], None, [_TRANSPOSED_SUM, True]),
+    # torch's gloo reduces the first elements of the storage, not the slice's (false, false).
+    "all_reduce_sliced": (None, [True, True], None, [False, False]),
+    "all_reduce_transposed_async": (None, [_TRANSPOSED_SUM, _TRANSPOSED_SUM, [1, 4]],
+                                    None, [_TRANSPOSED_SUM, _TRANSPOSED_SUM, [1, 4]]),
+    "broadcast_transposed": (None, [_TRANSPOSED_RANK0, True], None, [_TRANSPOSED_RANK0, True]),
+    "all_gather_sliced": (None, [[1.0, 2.0, 2.0, 3.0], True], None, [[1.0, 2.0, 2.0, 3.0], True]),
+    "reduce_scatter_sliced": (None, [[1.0, 3.0, 5.0, 7.0], True],
+                              None, [[1.0, 3.0, 5.0, 7.0], True]),
+    "all_gather_expanded_output": ("RuntimeError", [
+        _OVERLAP, "output_tensor (shape (4,), stride (0,)) is expanded",
+        "pass output_tensor.clone()"], "RuntimeError", _OVERLAP),
+    "reduce_scatter_expanded_output": ("RuntimeError", [
+        _OVERLAP, "output (shape (2,), stride (0,)) is expanded", "pass output.clone()"],
+        "RuntimeError", _OVERLAP),
+    # torch's gloo would write past the one-element storage; its reference does not run it.
+    "all_reduce_expanded": ("RuntimeError", [
+        _OVERLAP, "tensor (shape (4,), stride (0,)) is expanded", "pass tensor.clone()"],
+        None, "not run"),
     "src_numpy_int": (None, [11.0, 11.0, 11.0], None, [11.0, 11.0, 11.0]),
     "src_0dim_tensor": (None, [11.0, 11.0, 11.0], None, [11.0, 11.0, 11.0]),
     "src_float": ("TypeError", ["src must be a global rank (an int)", "got 0.5"],

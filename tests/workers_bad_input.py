@@ -74,7 +74,74 @@ def call_cases(impl):
             return [[z.real, z.imag] for z in result.tolist()]
         return call
 
+    def strided(kind):
+        """A non-contiguous tensor through each collective: the result (the same on every
+        rank), and whether the memory around a sliced tensor was left alone."""
+        def sliced(n, value):      # every other element of a vector of 2n, the rest 7.0
+            base = torch.full((2 * n,), 7.0)
+            base[::2] = value
+            return base, base[::2]
+
+        def call():
+            untouched = True
+            if kind == "all_reduce_transposed":
+                result = (torch.arange(12.0).reshape(3, 4) + rank).t()
+                api.all_reduce(result)
+            elif kind == "all_reduce_sliced":
+                base, result = sliced(6, torch.arange(6.0) + rank)
+                api.all_reduce(result)
+                untouched = bool((base[1::2] == 7.0).all())
+                # torch's gloo reduces the storage's first elements instead: pinned as booleans
+                return [result.tolist() == (2 * torch.arange(6.0) + 1).tolist(), untouched]
+            elif kind == "all_reduce_transposed_async":
+                result = (torch.arange(12.0).reshape(3, 4) + rank).t()
+                work = api.all_reduce(result, async_op=True)
+                value = work.get_future().wait()[0]
+                work.wait()
+                return [result.tolist(), value.tolist(), value.stride()]
+            elif kind == "broadcast_transposed":
+                result = (torch.arange(12.0).reshape(3, 4) * (rank + 1)).t()
+                api.broadcast(result, 0)
+            elif kind == "all_gather_sliced":
+                base, result = sliced(2 * world_size, 0.0)
+                _, mine = sliced(2, torch.tensor([rank + 1.0, rank + 2.0]))
+                api.all_gather_into_tensor(result, mine)
+                untouched = bool((base[1::2] == 7.0).all())
+            elif kind == "reduce_scatter_sliced":
+                _, data = sliced(2 * world_size, torch.arange(2.0 * world_size) + rank)
+                base, block = sliced(2, 0.0)
+                api.reduce_scatter_tensor(block, data)
+                untouched = bool((base[1::2] == 7.0).all())
+                result = torch.empty(2 * world_size)
+                api.all_gather_into_tensor(result, block.contiguous())
+            elif kind == "all_gather_expanded_output":
+                api.all_gather_into_tensor(torch.zeros(1).expand(2 * world_size), torch.ones(2))
+                return "no error"
+            elif kind == "reduce_scatter_expanded_output":
+                api.reduce_scatter_tensor(torch.zeros(1).expand(2), torch.ones(2 * world_size))
+                return "no error"
+            elif kind == "all_reduce_expanded":
+                if impl == "torch":
+                    # torch's gloo reduces numel elements from the data pointer: past the end
+                    # of the one-element storage, so the reference does not run it.
+                    return "not run"
+                api.all_reduce(torch.zeros(1).expand(4))
+                return "no error"
+            return [result.tolist(), untouched]
+        return call
+
     cases = {
+        "int_all_reduce_avg": lambda: repr(api.all_reduce(torch.arange(4), op=api.ReduceOp.AVG)),
+        "meta_all_reduce": lambda: repr(api.all_reduce(torch.ones(4, device="meta"))),
+        "all_reduce_transposed": strided("all_reduce_transposed"),
+        "all_reduce_sliced": strided("all_reduce_sliced"),
+        "all_reduce_transposed_async": strided("all_reduce_transposed_async"),
+        "broadcast_transposed": strided("broadcast_transposed"),
+        "all_gather_sliced": strided("all_gather_sliced"),
+        "reduce_scatter_sliced": strided("reduce_scatter_sliced"),
+        "all_gather_expanded_output": strided("all_gather_expanded_output"),
+        "reduce_scatter_expanded_output": strided("reduce_scatter_expanded_output"),
+        "all_reduce_expanded": strided("all_reduce_expanded"),
         "complex_all_reduce_sum": complex_call("all_reduce"),
         "complex_all_reduce_avg": complex_call("all_reduce", api.ReduceOp.AVG),
         "complex_all_reduce_max": complex_call("all_reduce", api.ReduceOp.MAX),

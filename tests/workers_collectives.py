@@ -681,18 +681,13 @@ def bad_arguments(impl: str):
     n = 6
     x = torch.ones(n)
     cases = [
-        ("non-contiguous tensor", lambda: api.all_reduce(torch.ones(4, 4).t()),
-         [r"\btensor\b", r"contiguous"]),
-        ("non-contiguous tensor, async_op=True",
-         lambda: api.all_reduce(torch.ones(4, 4).t(), async_op=True),
-         [r"\btensor\b", r"contiguous"]),
+        # Non-contiguous tensors are taken, as torch's gloo takes them; integer AVG raises
+        # torch's RuntimeError (tests/test_bad_input.py for both).
         # complex SUM and AVG are torch's (tests/test_bad_input.py); MAX is refused, as torch's.
         ("complex64 tensor, op=MAX", lambda: api.all_reduce(torch.ones(n, dtype=torch.complex64),
                                                            op=RO.MAX),
          [r"\btensor\b", r"complex64"]),
         ("not a tensor", lambda: api.all_reduce([1.0, 2.0]), [r"\btensor\b"]),
-        ("AVG on int32", lambda: api.all_reduce(torch.ones(n, dtype=torch.int32), op=RO.AVG),
-         [r"\bop\b", r"(?i)avg"]),
         ("all_gather_into_tensor output too large",
          lambda: api.all_gather_into_tensor(torch.empty(n * world_size + 1), x),
          [r"\boutput_tensor\b"]),
@@ -711,7 +706,7 @@ def bad_arguments(impl: str):
          [r"\bsrc\b", rf"\b{world_size}\b"]),
         ("broadcast src < 0", lambda: api.broadcast(x.clone(), -1), [r"\bsrc\b", r"-1\b"]),
         ("meta tensor", lambda: api.all_reduce(torch.ones(n, device="meta")),
-         [r"\btensor\b", r"meta"]),
+         [r"\btensor\b", r"meta", r"to_empty"]),
     ]
     if torch.cuda.is_available():
         cases.append(("cuda tensor mixed with cpu output", lambda: api.all_gather_into_tensor(
