@@ -108,8 +108,9 @@ def _written_back(work, target, staged):
 
 class _WrittenBack:
     """The handle of an async collective on a non-contiguous tensor: the collective ran on a
-    contiguous copy, written back into the caller's tensor by wait() and result(), or when its
-    future completes; otherwise the underlying handle's (see [Note: non-contiguous
+    contiguous copy, written back into the caller's tensor by wait(), result(), an
+    is_completed() that returns True, or when its future completes; otherwise the underlying
+    handle's (see [Note: non-contiguous
     tensors])."""
 
     __slots__ = ("_work", "_target", "_staged", "_written")
@@ -141,7 +142,11 @@ class _WrittenBack:
         return done
 
     def is_completed(self):
-        return self._work.is_completed()
+        # A caller that polls instead of waiting reads its tensor once this says True.
+        done = self._work.is_completed()
+        if done:
+            self._write_back()
+        return done
 
     def result(self):
         return self._values(self._work.result())

@@ -140,6 +140,10 @@ CALLS = {
     "all_reduce_sliced": (None, [True, True], None, [False, False]),
     "all_reduce_transposed_async": (None, [_TRANSPOSED_SUM, _TRANSPOSED_SUM, [1, 4]],
                                     None, [_TRANSPOSED_SUM, _TRANSPOSED_SUM, [1, 4]]),
+    # Polled with is_completed() instead of waited on: the tensor holds the sum once it says
+    # True (it held this rank's own values before the write-back moved there).
+    "all_reduce_transposed_polled": (None, [_TRANSPOSED_SUM, _TRANSPOSED_SUM],
+                                      None, [_TRANSPOSED_SUM, _TRANSPOSED_SUM]),
     "broadcast_transposed": (None, [_TRANSPOSED_RANK0, True], None, [_TRANSPOSED_RANK0, True]),
     "all_gather_sliced": (None, [[1.0, 2.0, 2.0, 3.0], True], None, [[1.0, 2.0, 2.0, 3.0], True]),
     "reduce_scatter_sliced": (None, [[1.0, 3.0, 5.0, 7.0], True],

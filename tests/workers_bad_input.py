@@ -99,6 +99,15 @@ def call_cases(impl):
                 value = work.get_future().wait()[0]
                 work.wait()
                 return [result.tolist(), value.tolist(), value.stride()]
+            elif kind == "all_reduce_transposed_polled":
+                result = (torch.arange(12.0).reshape(3, 4) + rank).t()
+                work = api.all_reduce(result, async_op=True)
+                deadline = time.monotonic() + 60
+                while not work.is_completed() and time.monotonic() < deadline:
+                    time.sleep(0.001)
+                seen = result.tolist()     # read as soon as is_completed() said True
+                work.wait()
+                return [seen, result.tolist()]
             elif kind == "broadcast_transposed":
                 result = (torch.arange(12.0).reshape(3, 4) * (rank + 1)).t()
                 api.broadcast(result, 0)
@@ -136,6 +145,7 @@ def call_cases(impl):
         "all_reduce_transposed": strided("all_reduce_transposed"),
         "all_reduce_sliced": strided("all_reduce_sliced"),
         "all_reduce_transposed_async": strided("all_reduce_transposed_async"),
+        "all_reduce_transposed_polled": strided("all_reduce_transposed_polled"),
         "broadcast_transposed": strided("broadcast_transposed"),
         "all_gather_sliced": strided("all_gather_sliced"),
         "reduce_scatter_sliced": strided("reduce_scatter_sliced"),
