@@ -397,6 +397,21 @@ static dptc_status check_stream(const dptc_group *g, int stream_index, dptc_erro
     return DPTC_OK;
 }
 
+uint64_t dptc_pieces_digest(const dptc_coll *c)
+{
+    if (c->op != DPTC_OP_ALL_GATHER || c->noutputs <= 1)
+        return 0;
+    uint64_t h = 1469598103934665603ull;
+    for (int j = 0; j < c->noutputs; j++) {
+        uint64_t v = (uint64_t)c->output_counts[j];
+        for (int b = 0; b < 8; b++) {
+            h ^= (v >> (8 * b)) & 0xff;
+            h *= 1099511628211ull;
+        }
+    }
+    return h & 0x7fffffffffffffffull;
+}
+
 dptc_status dptc_group_submit(dptc_group *g, int stream_index, const dptc_coll *c,
                               dptc_work **out, dptc_error *err)
 {

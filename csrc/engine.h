@@ -79,6 +79,13 @@ struct dptc_coll {
                                   collective after the work queued there so far) */
 };
 
+/* A several-output all-gather's pieces decide where each rank's elements
+ * land, so the transports' order checks compare them too (see [Note:
+ * several pieces] in shm.c): FNV-1a over every piece's count, kept to 63
+ * bits (the cross-node check carries it in an int64); 0 for any other
+ * collective, and for the one-output form. */
+uint64_t dptc_pieces_digest(const dptc_coll *c);
+
 /* The shape of a group as one rank sees it.  Group ranks are numbered node
  * by node: rank = node * local_size + local_rank, every node holding
  * local_size members (dptc/group.py maps any set of global ranks onto this). */

@@ -31,7 +31,9 @@ typedef struct nccl_transport nccl_transport;
  * and NCCL does not check it: a rank that differs hangs or reduces the wrong
  * bytes.  So each collective is preceded on its engine stream by an
  * all-gather of a record of what this rank issued (op, dtype, redop, root,
- * count, sequence number), copied in from pinned host memory and the
+ * count, sequence number, and the digest of a several-output all-gather's
+ * pieces, whose NCCL calls differ in count where ranks split it
+ * differently), copied in from pinned host memory and the
  * gathered records copied back out, then an event.  The progress thread
  * compares the records as soon as that event has happened, while the
  * collective itself may still run (or hang, because the ranks disagree),
@@ -44,8 +46,9 @@ typedef struct nccl_transport nccl_transport;
 typedef struct {
     int32_t op, dtype, redop, root;
     uint64_t count, seq;
+    uint64_t pieces;   /* dptc_pieces_digest: a several-output all-gather's pieces, or 0 */
 } record;
-_Static_assert(sizeof(record) == 32, "a record is 32 bytes on every rank");
+_Static_assert(sizeof(record) == 40, "a record is 40 bytes on every rank");
 
 /* What a collective leaves for the engine to wait on (dptc_completion's
  * handle). */
@@ -173,16 +176,24 @@ static void sleep_seconds(double s)
     nanosleep(&ts, NULL);
 }
 
-/* "all_reduce float32 SUM of 10 elements, root 0 (collective #3 of the stream)". */
+/* "all_reduce float32 SUM of 10 elements, root 0 (collective #3 of the
+ * stream)": the reduce op only for the collectives that reduce, and ",
+ * pieces digest 0x..." after the root where the record has one. */
 static void describe(const record *r, char *out, size_t size)
 {
     const char *op = r->op >= 0 && r->op < DPTC_OP_COUNT ? dptc_op_name((dptc_op)r->op) : "?";
     const char *dtype = r->dtype >= 0 && r->dtype < DPTC_DTYPE_COUNT
                             ? dptc_dtype_name((dptc_dtype)r->dtype) : "?";
-    const char *redop = r->redop >= 0 && r->redop < DPTC_REDOP_COUNT
-                            ? dptc_redop_name((dptc_redop)r->redop) : "?";
-    snprintf(out, size, "%s %s %s of %llu elements, root %d (collective #%llu of the stream)", op,
-             dtype, redop, (unsigned long long)r->count, (int)r->root,
+    char redop[24] = "";
+    if (r->op == DPTC_OP_ALL_REDUCE || r->op == DPTC_OP_REDUCE_SCATTER)
+        snprintf(redop, sizeof redop, " %s",
+                 r->redop >= 0 && r->redop < DPTC_REDOP_COUNT
+                     ? dptc_redop_name((dptc_redop)r->redop) : "?");
+    char pieces[48] = "";
+    if (r->pieces)
+        snprintf(pieces, sizeof pieces, ", pieces digest %#llx", (unsigned long long)r->pieces);
+    snprintf(out, size, "%s %s%s of %llu elements, root %d%s (collective #%llu of the stream)",
+             op, dtype, redop, (unsigned long long)r->count, (int)r->root, pieces,
              (unsigned long long)r->seq);
 }
 
@@ -193,7 +204,7 @@ static dptc_status check_records(nccl_transport *t, completion *c, dptc_error *e
     for (int r = 0; r < t->size; r++) {
         if (memcmp(&c->gathered[r], c->mine, sizeof(record)) == 0)
             continue;
-        char mine[160], theirs[160];
+        char mine[192], theirs[192];
         describe(c->mine, mine, sizeof mine);
         describe(&c->gathered[r], theirs, sizeof theirs);
         return dptc_fail(err, DPTC_ERR_MISMATCH, "ranks issued different collectives on NCCL "
@@ -318,7 +329,8 @@ static dptc_status enqueue_check(nccl_transport *t, const dptc_order *order, con
     completion *slot = &t->done[s][t->next[s] % RING];
     dptc_cuda_stream stream = t->streams[s];
     *slot->mine = (record){.op = c->op, .dtype = c->dtype, .redop = c->redop, .root = c->root,
-                           .count = c->count, .seq = order->seq};
+                           .count = c->count, .seq = order->seq,
+                           .pieces = dptc_pieces_digest(c)};
     char *place = (char *)slot->device_records + (size_t)t->rank * sizeof(record);
     CUDA(t, cudaMemcpyAsync(place, slot->mine, sizeof(record), DPTC_CUDA_MEMCPY_HOST_TO_DEVICE,
                             stream), err);

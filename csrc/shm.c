@@ -81,7 +81,7 @@ typedef struct {
     /* An all-gather into several outputs places each rank's elements by its pieces, so ranks
      * must agree on them, not only on the count (see [Note: several pieces]); 0 elsewhere. */
     uint64_t npieces;                    /* its number of outputs */
-    uint64_t pieces_digest;              /* of every piece's count, see pieces_digest */
+    uint64_t pieces_digest;              /* of every piece's count (dptc_pieces_digest) */
     uint64_t piece[FINGERPRINT_PIECES];  /* the first counts, for the message */
 } fingerprint;
 
@@ -412,21 +412,6 @@ static dptc_status step(channel *ch, double deadline, dptc_error *err)
 /* ------------------------------------------------------------------ */
 /* Fingerprints (see [Note: collective order] in engine.h) */
 
-/* FNV-1a over the piece counts of a several-output all-gather, kept to 63
- * bits so that the cross-node check carries it in an int64. */
-static uint64_t pieces_digest(const dptc_coll *c)
-{
-    uint64_t h = 1469598103934665603ull;
-    for (int j = 0; j < c->noutputs; j++) {
-        uint64_t v = (uint64_t)c->output_counts[j];
-        for (int b = 0; b < 8; b++) {
-            h ^= (v >> (8 * b)) & 0xff;
-            h *= 1099511628211ull;
-        }
-    }
-    return h & 0x7fffffffffffffffull;
-}
-
 static int has_pieces(const dptc_coll *c)
 {
     return c->op == DPTC_OP_ALL_GATHER && c->noutputs > 1;
@@ -499,7 +484,7 @@ static void fingerprint_of(channel *ch, const dptc_coll *c, uint64_t seq,
         f->redop = (uint32_t)c->redop;
     if (has_pieces(c)) {
         f->npieces = (uint64_t)c->noutputs;
-        f->pieces_digest = pieces_digest(c);
+        f->pieces_digest = dptc_pieces_digest(c);
         for (int j = 0; j < c->noutputs && j < FINGERPRINT_PIECES; j++)
             f->piece[j] = (uint64_t)c->output_counts[j];
     }

@@ -431,6 +431,36 @@ def test_collective_order_is_checked_on_the_device(fake):
     assert result["later"][0] == "CollectiveMismatchError", result
 
 
+def test_gather_pieces_are_in_the_device_order_check(fake):
+    """A several-output all-gather's record carries the digest of its pieces ([Note: collective
+    order on the device] in csrc/nccl.c): where the gathered one differs (here the fake changes
+    its first byte), the collective fails with CollectiveMismatchError naming the digests, while
+    the same gather with the records intact completes.  An all-gather's record names no reduce
+    op (it named SUM, which it does not do).
+
+    Old behaviour: the record held the total count only, so ranks that split the same count
+    into other pieces passed the check and issued NCCL all-gathers of different counts (a hang,
+    or elements gathered into the wrong outputs)."""
+    result = _run(fake, """
+        g = group(timeout=5.0)
+        f32 = dtype_code(torch.float32)
+        x = torch.arange(6.0)
+        outputs = [torch.zeros(2), torch.zeros(4)]
+        g.submit(OP_ALL_GATHER, f32, 0, x, outputs, 6, 0, 0, None).synchronize()
+        gathered = [o.tolist() for o in outputs]
+        fake.fake_set_corrupt_gather_at(32)      # the pieces digest of rank 0's record
+        w = g.submit(OP_ALL_GATHER, f32, 0, x, outputs, 6, 0, 0, None)
+        failure = error(lambda: w.synchronize())
+        print(json.dumps({"gathered": gathered, "failure": failure}))
+    """)
+    assert result["gathered"] == [[0.0, 1.0], [2.0, 3.0, 4.0, 5.0]], result
+    assert result["failure"][0] == "CollectiveMismatchError", result
+    message = result["failure"][1]
+    assert "rank 0 issued all_gather_into_tensor float32 of 6 elements" in message, message
+    assert message.count("pieces digest 0x") == 2, message
+    assert "(collective #1 of the stream)" in message, message
+
+
 def test_a_peers_failure_ends_a_stuck_wait(fake):
     """Two ranks, each NCCL engine against the fake.  Rank 1 waits on a collective its device
     never finishes, with a 30 s timeout; rank 0 aborts the group after 0.5 s.  Rank 0's failure

@@ -15,7 +15,8 @@
 static int hang;            /* events recorded while set complete only once it is cleared */
 static int async_error;     /* what ncclCommGetAsyncError reports */
 static volatile int init_blocks;   /* ncclCommInitRank waits while set (a missing member) */
-static int corrupt_gather;  /* the next all-gather's first byte comes back changed */
+static int corrupt_gather;  /* the next all-gather's byte corrupt_at comes back changed */
+static size_t corrupt_at;
 #define PEER_BYTES 64
 static unsigned char peer_bytes[PEER_BYTES];  /* a peer's part of uint8 MAX all-reduces */
 static size_t peer_count;
@@ -28,7 +29,8 @@ typedef struct { int held; } event;
 void fake_set_hang(int on) { hang = on; }
 void fake_set_async_error(int result) { async_error = result; }
 void fake_set_init_blocks(int on) { init_blocks = on; }
-void fake_set_corrupt_gather(int on) { corrupt_gather = on; }
+void fake_set_corrupt_gather(int on) { corrupt_gather = on; corrupt_at = 0; }
+void fake_set_corrupt_gather_at(int at) { corrupt_gather = 1; corrupt_at = (size_t)at; }
 /* Until called again with n = 0, every uint8 MAX all-reduce of at least n
  * elements also takes the maximum with these n bytes, as if a peer had sent
  * them (DDP's used-parameter map). */
@@ -162,8 +164,8 @@ int ncclAllGather(const void *s, void *r, size_t n, int dt, void *c, void *st)
     int rc = 0;
     for (int k = 0; k < *(int *)c && rc == 0; k++)
         rc = copy(s, (char *)r + k * n * element_size(dt), n, dt);
-    if (corrupt_gather && n) {
-        ((unsigned char *)r)[0] ^= 0x5a;
+    if (corrupt_gather && n * element_size(dt) > corrupt_at) {
+        ((unsigned char *)r)[corrupt_at] ^= 0x5a;
         corrupt_gather = 0;
     }
     return rc;
