@@ -11,6 +11,7 @@ dropped left about 10 maps behind (453 to 655 lines over 20 rounds on a rank).
 """
 
 import functools
+import os
 
 import pytest
 
@@ -22,8 +23,11 @@ ROUNDS = {"fully_shard": 20, "fsdp1": 20, "ddp": 20, "new_group": 20}
 # sharding propagation, the allocator's arenas, fully_shard's reduce rings' first mapping).
 WARMUP = 3
 # Lines /proc/self/maps may still gain after WARMUP, fewer than one per model: the allocator
-# splitting or merging an arena now and then (0 to 2 lines here; under tools/sanitize.sh
-# ASan's allocator maps as it goes, 4 to 11).  A leaked model cost about 10 lines each.
+# splitting or merging an arena now and then (0 to 2 lines here).  A leaked model cost about
+# 10 lines each.  Under tools/sanitize.sh ASan's allocator maps as it goes (4 to 25 lines over
+# the rounds), so there the maps are not counted: the models' own count (alive) and the fds
+# still are.
+UNDER_ASAN = "libasan" in os.environ.get("LD_PRELOAD", "")
 
 
 @functools.lru_cache(maxsize=None)
@@ -40,7 +44,8 @@ def test_dropped_models_are_freed(kind):
         assert len(counts["maps"]) == ROUNDS[kind], (rank, counts)
         settled = counts["maps"][WARMUP - 1]
         grown = max(counts["maps"][WARMUP:]) - settled
-        assert grown < ROUNDS[kind] - WARMUP, (rank, kind, "maps grew by", grown, counts["maps"])
+        assert UNDER_ASAN or grown < ROUNDS[kind] - WARMUP, (rank, kind, "maps grew by", grown,
+                                                             counts["maps"])
         assert max(counts["fds"][WARMUP:]) <= counts["fds"][WARMUP - 1], (rank, kind,
                                                                           counts["fds"])
         assert counts["alive"] == 0, (rank, kind, counts["alive"], "models alive after drop")
