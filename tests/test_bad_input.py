@@ -252,16 +252,22 @@ def _check(outcome, error_type, expected):
             assert fragment in outcome["message"], (fragment, outcome)
 
 
+# Cases whose torch reference is judged on rank 0 alone: torch's wait gives up at once there,
+# while rank 1 comes late; rank 1's own collective may have completed by the time it waits (its
+# peer is already there), and then torch's wait returns True (seen under tools/sanitize.sh).
+_TORCH_RANK0_ONLY = {"wait_timeout_negative", "wait_timeout_nan"}
+
+
 @pytest.mark.parametrize("impl", ["dptc", "torch"])
 @pytest.mark.parametrize("case", list(CALLS))
 def test_call(case, impl):
     dptc_type, dptc_expected, torch_type, torch_expected = CALLS[case]
     results = _launch(f"calls-{impl}", "tests.workers_bad_input:call_cases",
                       args={"impl": impl}, reference=impl == "torch")
-    for result in results:
+    for rank, result in enumerate(results):
         if impl == "dptc":
             _check(result[case], dptc_type, dptc_expected)
-        else:
+        elif rank == 0 or case not in _TORCH_RANK0_ONLY:
             _check(result[case], torch_type, torch_expected)
 
 

@@ -161,8 +161,9 @@ def call_cases(impl):
         "complex_conj_view": lambda: api.all_reduce(torch.ones(2, dtype=torch.complex64).conj()),
         "wait_timeout_zero_late_peer": waited(datetime.timedelta(0), late=0.5),
         "wait_timeout_str": waited("5"),
-        # The peer arrives late, so that torch's wait gives up before its collective can
-        # complete (without it, torch's returned True where the peer came in first).
+        # Rank 1 arrives late, so that torch's wait on rank 0 gives up before its collective
+        # can complete (without it, torch's returned True where the peer came in first; the
+        # test judges torch's reference on rank 0 alone).
         "wait_timeout_negative": waited(datetime.timedelta(seconds=-1), late=0.3),
         "wait_timeout_nan": waited(float("nan"), late=0.3),
         "async_op_str": lambda: repr(api.all_reduce(torch.ones(3), async_op="no")),
