@@ -281,7 +281,9 @@ def _env_store(delta):
     new store.  torch alone hangs the same way when rank 0 is a second late.  So the rank that
     leaves an initialisation marks its store retired (_retire_torch_store), and a rank that
     finds the mark where it connected drops the connection and tries again, until rank 0
-    serves a new store or the timeout.
+    serves a new store or the timeout.  The old server may also go away while a rank is
+    connecting to it or reading the mark (DistNetworkError, "Failed to recv"; once in a
+    fresh-clone CI run): that rank tries again too.
     """
     global _torch_store
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
@@ -289,9 +291,16 @@ def _env_store(delta):
     use_libuv = os.environ.get("USE_LIBUV", "1") == "1"
     deadline = time.monotonic() + delta.total_seconds()
     while True:
-        store = dist.TCPStore(host, port, size, is_master=rank == 0, timeout=delta,
-                              multi_tenant=True, use_libuv=use_libuv)
-        if not store.check([_RETIRED_KEY]):
+        try:
+            store = dist.TCPStore(host, port, size, is_master=rank == 0, timeout=delta,
+                                  multi_tenant=True, use_libuv=use_libuv)
+            retired = store.check([_RETIRED_KEY])
+        except dist.DistNetworkError:
+            if rank == 0 or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)   # the last store's server went away under this rank
+            continue
+        if not retired:
             _torch_store = store
             return {"store": store, "rank": rank, "world_size": size}
         del store

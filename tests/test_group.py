@@ -64,6 +64,43 @@ def test_reinit_after_torch_destroy(lag):
         assert sums == [[3.0, 1, True]] * 3, (rank, sums)
 
 
+def test_a_store_server_lost_while_connecting_is_tried_again(monkeypatch):
+    """A rank that comes round while rank 0 still serves the last initialisation's store can
+    lose that server while it connects (rank 0 frees it): TCPStore raises DistNetworkError
+    ("Failed to recv, got 0 bytes"), and the rank tries again until rank 0 serves the new
+    store ([Note: the last store] in dptc/group.py).  In-process: the first TCPStore this rank
+    makes fails as that one did, the second reaches a live server.
+
+    Old behaviour: the DistNetworkError ended init_process_group (once in a fresh-clone CI run
+    of test_reinit_after_torch_destroy[1.0])."""
+    import datetime
+    import torch.distributed as dist
+    from dptc import group
+    from tests._launch import free_port
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=10))
+    real, calls = dist.TCPStore, []
+
+    def flaky_store(*args, **kwargs):
+        calls.append(kwargs.get("is_master"))
+        if len(calls) == 1:
+            raise dist.DistNetworkError("Failed to recv, got 0 bytes. Connection was likely "
+                                        "closed. Did the remote server shutdown or crash?")
+        return real(*args, **kwargs)
+
+    for name, value in (("RANK", "1"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"),
+                        ("MASTER_PORT", str(port))):
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(group.dist, "TCPStore", flaky_store)
+    monkeypatch.setattr(group, "_torch_store", None)
+    made = group._env_store(datetime.timedelta(seconds=10))
+    assert calls == [False, False], calls
+    assert (made["rank"], made["world_size"]) == (1, 2), made
+    made["store"].set("from-rank-1", "yes")
+    assert server.get("from-rank-1") == b"yes"
+
+
 @pytest.mark.parametrize("how", ["destroy", "exit", "raise"])
 def test_a_forked_child_leaving_leaves_the_group_alone(how):
     # Before [Note: forked children] (csrc/module.c), the child's destroy marked rank 0's
