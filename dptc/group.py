@@ -59,6 +59,9 @@ STAGINGS = {"auto": 2, "cached": 0, "streamed": 1}
 
 _default = None
 _generation = 0
+# Initialisations of torch.distributed dptc made from the environment in this process: see
+# [Note: torchrun restarts].
+_torch_inits = 0
 _owns_torch_group = False
 _torch_store = None        # the TCPStore dptc made for torch.distributed (see _env_store)
 _owner_pid = None          # the process that set dptc up (see _forked_child)
@@ -243,7 +246,7 @@ def _check_c_settings():
 def _init_torch(timeout, explicit):
     """Initialises torch.distributed with gloo, if needed: from `explicit` (the arguments of
     init_process_group that torch's takes, when any is given), else from the environment."""
-    global _owns_torch_group
+    global _owns_torch_group, _torch_inits
     if dist.is_initialized():
         return
     delta = datetime.timedelta(seconds=timeout)
@@ -255,7 +258,8 @@ def _init_torch(timeout, explicit):
                 raise ValueError(f"{name} is not set; launch with torchrun, or set RANK, "
                                  f"WORLD_SIZE, MASTER_ADDR and MASTER_PORT")
         dist.init_process_group("gloo", timeout=delta,
-                                **(_restart_store(delta) or _env_store(delta)))
+                                **(_agent_store(delta) or _env_store(delta)))
+        _torch_inits += 1
     else:
         _check_single_process()
         # A plain `python script.py`: one rank.
@@ -359,8 +363,10 @@ def _restart_attempt():
     return f"attempt_{attempt}/" if attempt is not None else ""
 
 
-def _restart_store(delta):
-    """init_process_group's store under torchrun's agent store: keys of this restart only.
+def _agent_store(delta):
+    """init_process_group's store under torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE):
+    a client of the agent's TCPStore, as torch's env:// rendezvous makes it, under a prefix of
+    this restart and this initialisation once there was an earlier one; {} elsewhere.
 
     [Note: torchrun restarts]
     torchrun --max-restarts starts every worker again after a failure, on the same agent
@@ -370,14 +376,23 @@ def _restart_store(delta):
     alone, in 5 of 6 restarts here), and dptc's own bootstrap would open a dead peer's
     shared segment.  dptc's keys carry the attempt (init_process_group), and when dptc
     initialises torch.distributed itself it hands gloo the store under the attempt's prefix
-    as well.
+    as well.  The same holds within one attempt for a script that initialises again after
+    destroy_process_group (a tutorial's setup() and cleanup() in a loop): the agent's store
+    still holds the last initialisation's gloo addresses, and the second one failed in
+    connectFullMesh ("Connection refused") under torchrun, so every initialisation after the
+    first gets a prefix of its own.  Every rank counts its initialisations alike, as every rank
+    runs the same loop.  The agent serves the store all along, so no rank meets a retired one
+    here ([Note: the last store] is for rank 0's own).
     """
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or not _restart_attempt():
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return {}
     client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                            int(os.environ["WORLD_SIZE"]), is_master=False, timeout=delta)
-    return {"store": dist.PrefixStore(f"/dptc/{_restart_attempt()}", client),
-            "rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}
+    store = client
+    if _restart_attempt() or _torch_inits:
+        store = dist.PrefixStore(f"/dptc/{_restart_attempt()}init_{_torch_inits}/", client)
+    return {"store": store, "rank": int(os.environ["RANK"]),
+            "world_size": int(os.environ["WORLD_SIZE"])}
 
 
 def _world_layout(store, rank, size):
