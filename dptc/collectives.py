@@ -99,7 +99,10 @@ def _staged(tensor, argname, *, read, written):
 
 def _written_back(work, target, staged):
     """The collective's return value, once the staged copy is (or will be) written back into
-    target (see [Note: non-contiguous tensors])."""
+    target (see [Note: non-contiguous tensors]); work itself where nothing was staged (target
+    None)."""
+    if target is None:
+        return work
     if work is None:
         target.copy_(staged)
         return None
@@ -110,8 +113,7 @@ class _WrittenBack:
     """The handle of an async collective on a non-contiguous tensor: the collective ran on a
     contiguous copy, written back into the caller's tensor by wait(), result(), an
     is_completed() that returns True, or when its future completes; otherwise the underlying
-    handle's (see [Note: non-contiguous
-    tensors])."""
+    handle's (see [Note: non-contiguous tensors])."""
 
     __slots__ = ("_work", "_target", "_staged", "_written")
 
@@ -338,7 +340,7 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False, *, stream=0)
     redop = redop_code(op, tensor.dtype)
     work = _issue(pg, OP_ALL_REDUCE, code, redop, tensor, tensor, tensor.numel(), 0, async_op,
                   stream)
-    return work if target is None else _written_back(work, target, staged)
+    return _written_back(work, target, staged)
 
 
 def _rank_index(value, argname, what):
@@ -372,7 +374,7 @@ def broadcast(tensor, src=None, group=None, async_op=False, group_src=None, *, s
         root = group_src
     work = _issue(pg, OP_BROADCAST, code, 0, tensor, tensor, tensor.numel(), root, async_op,
                   stream)
-    return work if target is None else _written_back(work, target, staged)
+    return _written_back(work, target, staged)
 
 
 def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False, *,
@@ -391,7 +393,7 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=Fal
     code = _check_pair(pg, input_tensor, "input_tensor", output_tensor, "output_tensor")
     work = _issue(pg, OP_ALL_GATHER, code, 0, input_tensor, output_tensor, input_tensor.numel(),
                   0, async_op, stream)
-    return work if target is None else _written_back(work, target, staged)
+    return _written_back(work, target, staged)
 
 
 def all_gather_into_tensors(outputs, input_tensor, group=None, async_op=False, *, stream=0):
@@ -439,7 +441,7 @@ def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=F
     redop = redop_code(op, input.dtype)
     work = _issue(pg, OP_REDUCE_SCATTER, code, redop, input, output, output.numel(), 0,
                   async_op, stream)
-    return work if target is None else _written_back(work, target, staged)
+    return _written_back(work, target, staged)
 
 
 # torch 2.13's names for the same two collectives.
