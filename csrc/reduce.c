@@ -277,36 +277,26 @@ DEFINE_SAME_KERNELS(bool_any, uint8_t, EITHER)
 DEFINE_SAME_KERNELS(bool_all, uint8_t, BOTH)
 DEFINE_SAME_KERNELS(bool_differ, uint8_t, DIFFER)
 
-/* See [Note: AVG divides]. */
-HOT_LOOP
-static void f32_divide(void *buf, size_t n, int divisor)
-{
-    float *restrict d = buf;
-    float q = (float)divisor;
-    if (is_power_of_two(divisor)) {
-        float r = 1.0f / q;
-        for (size_t i = 0; i < n; i++)
-            d[i] *= r;
-        return;
+/* buf[i] /= divisor, multiplying by the exact 1/divisor where it is a power
+ * of two: see [Note: AVG divides]. */
+#define DEFINE_DIVIDE(name, T)                                             \
+    HOT_LOOP                                                              \
+    static void name##_divide(void *buf, size_t n, int divisor)           \
+    {                                                                     \
+        T *restrict d = buf;                                              \
+        T q = (T)divisor;                                                 \
+        if (is_power_of_two(divisor)) {                                   \
+            T r = (T)1 / q;                                               \
+            for (size_t i = 0; i < n; i++)                                \
+                d[i] *= r;                                                \
+            return;                                                       \
+        }                                                                 \
+        for (size_t i = 0; i < n; i++)                                    \
+            d[i] /= q;                                                    \
     }
-    for (size_t i = 0; i < n; i++)
-        d[i] /= q;
-}
 
-HOT_LOOP
-static void f64_divide(void *buf, size_t n, int divisor)
-{
-    double *restrict d = buf;
-    double q = (double)divisor;
-    if (is_power_of_two(divisor)) {
-        double r = 1.0 / q;
-        for (size_t i = 0; i < n; i++)
-            d[i] *= r;
-        return;
-    }
-    for (size_t i = 0; i < n; i++)
-        d[i] /= q;
-}
+DEFINE_DIVIDE(f32, float)
+DEFINE_DIVIDE(f64, double)
 
 /* What the driver needs to know of an element type besides its kernels:
  * its size and, for floating types, how to divide a block (AVG). */
