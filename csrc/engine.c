@@ -397,9 +397,14 @@ static dptc_status check_stream(const dptc_group *g, int stream_index, dptc_erro
     return DPTC_OK;
 }
 
+int dptc_has_pieces(const dptc_coll *c)
+{
+    return c->op == DPTC_OP_ALL_GATHER && c->noutputs > 1;
+}
+
 uint64_t dptc_pieces_digest(const dptc_coll *c)
 {
-    if (c->op != DPTC_OP_ALL_GATHER || c->noutputs <= 1)
+    if (!dptc_has_pieces(c))
         return 0;
     uint64_t h = 1469598103934665603ull;
     for (int j = 0; j < c->noutputs; j++) {

@@ -81,9 +81,11 @@ struct dptc_coll {
 
 /* A several-output all-gather's pieces decide where each rank's elements
  * land, so the transports' order checks compare them too (see [Note:
- * several pieces] in shm.c): FNV-1a over every piece's count, kept to 63
- * bits (the cross-node check carries it in an int64); 0 for any other
- * collective, and for the one-output form. */
+ * several pieces] in shm.c).  dptc_has_pieces: whether c is such a gather
+ * (an all-gather into more than one output).  dptc_pieces_digest: FNV-1a
+ * over every piece's count, kept to 63 bits (the cross-node check carries
+ * it in an int64); 0 for any other collective. */
+int dptc_has_pieces(const dptc_coll *c);
 uint64_t dptc_pieces_digest(const dptc_coll *c);
 
 /* The shape of a group as one rank sees it.  Group ranks are numbered node

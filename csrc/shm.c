@@ -412,11 +412,6 @@ static dptc_status step(channel *ch, double deadline, dptc_error *err)
 /* ------------------------------------------------------------------ */
 /* Fingerprints (see [Note: collective order] in engine.h) */
 
-static int has_pieces(const dptc_coll *c)
-{
-    return c->op == DPTC_OP_ALL_GATHER && c->noutputs > 1;
-}
-
 /* ", pieces [2, 4]" (the first FINGERPRINT_PIECES, then how many), or "". */
 static void describe_pieces(const fingerprint *f, char *out, size_t n)
 {
@@ -482,7 +477,7 @@ static void fingerprint_of(channel *ch, const dptc_coll *c, uint64_t seq,
         f->root = c->root;
     if (c->op == DPTC_OP_ALL_REDUCE || c->op == DPTC_OP_REDUCE_SCATTER)
         f->redop = (uint32_t)c->redop;
-    if (has_pieces(c)) {
+    if (dptc_has_pieces(c)) {
         f->npieces = (uint64_t)c->noutputs;
         f->pieces_digest = dptc_pieces_digest(c);
         for (int j = 0; j < c->noutputs && j < FINGERPRINT_PIECES; j++)
