@@ -70,6 +70,9 @@ _new_groups = 0            # dptc.new_group calls so far (names their store pref
 _local_groups = {}         # members -> new_group(use_local_synchronization=True) calls
 _mapped = {}               # torch group name -> ProcessGroup (see resolve)
 _groups = weakref.WeakSet()
+# After the script's destroy_process_group(): a weak reference to torch.distributed's default
+# group then, or to nothing; see [Note: use after destroy].
+_destroyed = None
 
 
 class ProcessGroup:
@@ -769,7 +772,8 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
     torch.distributed group it builds on).  ``timeout`` (seconds or timedelta;
     default $DPTC_TIMEOUT or 300 s) bounds every wait.
     """
-    global _default, _generation, _world_nodes, _owner_pid
+    global _default, _generation, _world_nodes, _owner_pid, _destroyed
+    _destroyed = None
     if _default is not None:
         if dist.is_initialized():
             _check_reinit(_default, backend, timeout, world_size, rank)
@@ -777,7 +781,7 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
         # torch.distributed's default group, which dptc's builds on, was destroyed under it
         # (torch's destroy_process_group in a script set up with dptc's init): start again.
         _retire_torch_store()
-        destroy_process_group()
+        _close_all()
         gc.collect()
     if backend not in (None, "dptc", "gloo", "cpu:gloo"):
         raise ValueError(f"backend must be None, 'dptc' or 'gloo', got {backend!r}; dptc "
@@ -881,7 +885,26 @@ def is_initialized():
 
 def default_group():
     """The default group, initialised on first use."""
-    return _default if _default is not None else init_process_group()
+    if _default is not None:
+        return _default
+    _refuse_use_after_destroy()
+    return init_process_group()
+
+
+def _refuse_use_after_destroy():
+    """[Note: use after destroy]
+    dptc initialises itself on a script's first call that needs a group, but not again after
+    the script's own destroy_process_group(): a collective, a wrapper or get_rank() then
+    raises torch's ValueError, as torch.distributed does after its destroy_process_group,
+    instead of starting a new group that the other ranks, done, never join (a wait of the
+    whole timeout).  An init_process_group call starts again, as does a torch.distributed
+    default group made since the destroy (the script's own dist.init_process_group)."""
+    if _destroyed is None:
+        return
+    if not dist.is_initialized() or dist.group.WORLD is _destroyed():
+        raise ValueError("Default process group has not been initialized, please make sure "
+                         "to call init_process_group. (dptc.destroy_process_group() destroyed "
+                         "it; call dptc.init_process_group() to start again.)")
 
 
 def _from_torch(group, argname):
@@ -949,12 +972,21 @@ def destroy_process_group(group=None):
     rank 0 restart the TCPStore server on MASTER_PORT while peers may still reach the old one,
     and a re-initialisation then waits on keys nobody writes.
     """
-    global _default
+    global _destroyed
     if group is not None and group is not _default:
         pg = resolve(group)
         if pg is not None:
             pg.close()
         return
+    if _default is None:
+        return
+    _destroyed = weakref.ref(dist.group.WORLD) if dist.is_initialized() else (lambda: None)
+    _close_all()
+
+
+def _close_all():
+    """Closes every group; the next call that needs the default group initialises it."""
+    global _default
     if _default is None:
         return
     for pg in list(_groups):
@@ -974,7 +1006,7 @@ def _shutdown():
     global _owns_torch_group, _torch_store
     if _forked_child():
         return
-    destroy_process_group()
+    _close_all()
     if _owns_torch_group and dist.is_initialized():
         dist.destroy_process_group()
         for pg in list(_groups):

@@ -46,8 +46,14 @@ def test_init_destroy_and_reinit(use_torch_init):
         assert r["initialized_before"] is False
         assert (r["rank"], r["size"], r["initialized_after"]) == (rank, 3, True)
         assert r["layout"] == [0, 1, rank, 3]
-        assert r["sums"] == [6.0, False, 6.0, False]
+        refused = ["ValueError", "Default process group has not been initialized", True]
+        assert r["sums"] == [6.0, False, refused, 6.0, False], r["sums"]
         assert r["torch_initialized_at_end"] is True
+
+
+def test_a_new_torch_group_after_destroy_starts_dptc_again():
+    results = run_ranks("tests.workers_group:use_after_torch_reinit", 2, timeout=90)
+    assert results == [[4.0, 4.0, 4.0]] * 2, results
 
 
 @pytest.mark.parametrize("lag", [0.0, 1.0])

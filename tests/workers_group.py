@@ -2,6 +2,7 @@
 
 import datetime
 import os
+import socket
 import time
 
 import torch
@@ -23,7 +24,8 @@ def stuck_peer(stall: float):
 
 
 def reinit_and_info(use_torch_init: bool):
-    """Rank/size queries, destroy and a second initialisation with a working engine."""
+    """Rank/size queries, destroy and a second initialisation with a working engine; between
+    them, a collective raises torch's ValueError at once (no group to start again in silence)."""
     import torch.distributed as dist
     import dptc
     if use_torch_init:
@@ -34,8 +36,18 @@ def reinit_and_info(use_torch_init: bool):
     pg = dptc.group.default_group()
     results["layout"] = [pg.node, pg.nnodes, pg.local_rank, pg.local_size]
     sums = []
-    for _ in range(2):
-        t = torch.full((5,), float(dptc.get_rank() + 1))
+    rank = dptc.get_rank()
+    for round in range(2):
+        t = torch.full((5,), float(rank + 1))
+        if round:
+            began = time.monotonic()
+            try:
+                dptc.all_reduce(t)
+                sums.append("no error")
+            except ValueError as error:
+                sums.append([type(error).__name__, str(error)[:46],
+                             time.monotonic() - began < 1.0])
+            dptc.init_process_group()
         dptc.all_reduce(t)
         sums.append(t[0].item())
         dptc.destroy_process_group()
@@ -44,6 +56,31 @@ def reinit_and_info(use_torch_init: bool):
     results["torch_initialized_at_end"] = dist.is_initialized()
     results["sums"] = sums
     return results
+
+
+def use_after_torch_reinit():
+    """dptc's destroy, then the script's own torch.distributed destroy and init: dptc starts
+    again on first use from the new torch group, as it does on a script's first call."""
+    import torch.distributed as dist
+    import dptc
+    dist.init_process_group("gloo")
+    t = torch.ones(3)
+    dptc.all_reduce(t)
+    # Another port, from rank 0: torch's own re-initialisation on MASTER_PORT races with rank
+    # 0's old store.
+    store = dist.distributed_c10d._get_default_store()
+    if dist.get_rank() == 0:
+        with socket.socket() as sock:
+            sock.bind((os.environ["MASTER_ADDR"], 0))
+            store.set("next_port", str(sock.getsockname()[1]))
+    port = int(store.get("next_port"))
+    dist.barrier()
+    dptc.destroy_process_group()
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", init_method=f"tcp://{os.environ['MASTER_ADDR']}:{port}",
+                            rank=int(os.environ["RANK"]), world_size=2)
+    dptc.all_reduce(t)
+    return t.tolist()
 
 
 def wait_with_timedelta():
