@@ -17,6 +17,9 @@
  * the longest sleep between polls. */
 #define SPIN_POLLS 200
 #define MAX_SLEEP_S 0.0005
+/* How long an abort waits for an issuing thread to leave NCCL before it
+ * aborts the communicator under it; see [Note: aborting under an issuer]. */
+#define ABORT_LOCK_WAIT_S 1.0
 
 /* Values of NCCL's public enums (nccl.h). */
 enum { NCCL_INT8 = 0, NCCL_UINT8 = 1, NCCL_INT32 = 2, NCCL_INT64 = 4, NCCL_FLOAT16 = 6,
@@ -78,14 +81,29 @@ struct nccl_transport {
     record *host_records[DPTC_MAX_STREAMS];       /* pinned: RING * (1 + size) records */
     void *device_records[DPTC_MAX_STREAMS];       /* RING * size records */
     int *scratch;                                 /* one int on the device, for barrier */
-    /* The communicator and the failure record.  lock orders NCCL calls
-     * against abort (after which comm is NULL). */
+    /* The communicator: lock orders NCCL calls against abort, after which
+     * comm is NULL (see [Note: aborting under an issuer]). */
     pthread_mutex_t lock;
-    dptc_nccl_comm comm;
+    _Atomic(dptc_nccl_comm) comm;
+    /* The failure record, written once under fail_lock, then aborted set. */
+    pthread_mutex_t fail_lock;
     _Atomic int aborted;
     dptc_status abort_status;
     dptc_error abort_err;
 };
+
+/* [Note: a thread's device]
+ * The CUDA runtime makes device 0's primary context current for a thread
+ * that calls it before setting a device: hundreds of MiB of GPU 0 for every
+ * rank of a node whose progress thread polled an event that way.  So every
+ * thread dptc calls the runtime or NCCL from sets the group's device first:
+ * the issuing thread in begin, the progress threads, and the threads that
+ * abort or destroy.  The device stays set: torch's guards restore the one
+ * before only where its context exists, which the runtime API cannot ask,
+ * and a script's current device is its rank's anyway (torchrun scripts set
+ * it).  A thread remembers the device it set, so the progress thread's polls
+ * cost no call. */
+static _Thread_local int thread_device = -1;
 
 /* ------------------------------------------------------------------ */
 /* Results */
@@ -122,11 +140,19 @@ static dptc_status nccl_failed(const dptc_cuda_api *api, dptc_nccl_result rc, co
 
 static dptc_status aborted_error(nccl_transport *t, dptc_error *err)
 {
-    pthread_mutex_lock(&t->lock);
+    pthread_mutex_lock(&t->fail_lock);
     dptc_status status = t->abort_status;
     memcpy(err, &t->abort_err, sizeof *err);
-    pthread_mutex_unlock(&t->lock);
+    pthread_mutex_unlock(&t->fail_lock);
     return status;
+}
+
+/* Sets the group's device on this thread: see [Note: a thread's device]. */
+static dptc_status use_device(nccl_transport *t, dptc_error *err)
+{
+    CUDA(t, cudaSetDevice(t->device), err);
+    thread_device = t->device;
+    return DPTC_OK;
 }
 
 /* ------------------------------------------------------------------ */
@@ -238,28 +264,44 @@ static dptc_status completion_wait(void *handle, double deadline, dptc_error *er
     completion *c = handle;
     nccl_transport *t = c->t;
     const dptc_cuda_api *api = t->api;
+    if (thread_device != t->device)
+        CHECK(use_device(t, err));
     double pause = 0.00001;
     for (unsigned polls = 0;; polls++) {
+        /* After an abort the communicator's kernels end early and the events
+         * behind them complete: no completion counts once it is aborted. */
+        if (atomic_load(&t->aborted))
+            return aborted_error(t, err);
         CHECK(poll_check(t, c, err));
         dptc_cuda_error rc = api->cudaEventQuery(c->event);
         if (rc == DPTC_CUDA_SUCCESS) {
             CHECK(poll_check(t, c, err));    /* its event came first on the stream */
+            if (atomic_load(&t->aborted))    /* set before ncclCommAbort ends kernels */
+                return aborted_error(t, err);
             atomic_fetch_add(&t->observed[c->stream], 1);
             return DPTC_OK;
         }
         if (rc != DPTC_CUDA_ERROR_NOT_READY)
             return cuda_failed(api, rc, "cudaEventQuery", err);
-        if (atomic_load(&t->aborted))
-            return aborted_error(t, err);
         if (polls < SPIN_POLLS) {
             dptc_cpu_relax();
             continue;
         }
+        if (dptc_now() > deadline)
+            return dptc_fail(err, DPTC_ERR_TIMEOUT, "rank %d: a NCCL collective on stream %d "
+                             "did not complete by its deadline (a peer did not join it, or the "
+                             "device work it follows is stuck)%s", t->rank, c->stream,
+                             c->check_pending ? "; not every rank reached it" : "");
+        /* An issuing thread may hold the lock inside NCCL for long (see [Note:
+         * aborting under an issuer]); then the asynchronous error waits for a
+         * later poll, and the deadline above still holds. */
         dptc_nccl_result async = DPTC_NCCL_SUCCESS, result = DPTC_NCCL_SUCCESS;
-        pthread_mutex_lock(&t->lock);
-        if (t->comm)
-            result = api->ncclCommGetAsyncError(t->comm, &async);
-        pthread_mutex_unlock(&t->lock);
+        if (pthread_mutex_trylock(&t->lock) == 0) {
+            dptc_nccl_comm comm = t->comm;
+            if (comm)
+                result = api->ncclCommGetAsyncError(comm, &async);
+            pthread_mutex_unlock(&t->lock);
+        }
         if (result != DPTC_NCCL_SUCCESS)
             return nccl_failed(api, result, "ncclCommGetAsyncError", err);
         if (async != DPTC_NCCL_SUCCESS && async != DPTC_NCCL_IN_PROGRESS) {
@@ -268,11 +310,6 @@ static dptc_status completion_wait(void *handle, double deadline, dptc_error *er
                              "on stream %d: %s (ncclResult %d)", t->rank, c->stream,
                              text ? text : "unknown error", async);
         }
-        if (dptc_now() > deadline)
-            return dptc_fail(err, DPTC_ERR_TIMEOUT, "rank %d: a NCCL collective on stream %d "
-                             "did not complete by its deadline (a peer did not join it, or the "
-                             "device work it follows is stuck)%s", t->rank, c->stream,
-                             c->check_pending ? "; not every rank reached it" : "");
         sleep_seconds(pause);
         pause = pause * 2 < MAX_SLEEP_S ? pause * 2 : MAX_SLEEP_S;
     }
@@ -281,6 +318,8 @@ static dptc_status completion_wait(void *handle, double deadline, dptc_error *er
 dptc_status dptc_nccl_stream_wait(void *handle, void *stream, dptc_error *err)
 {
     completion *c = handle;
+    if (thread_device != c->t->device)
+        CHECK(use_device(c->t, err));
     CUDA(c->t, cudaStreamWaitEvent((dptc_cuda_stream)stream, c->event, 0), err);
     return DPTC_OK;
 }
@@ -293,11 +332,9 @@ dptc_status dptc_nccl_stream_wait(void *handle, void *stream, dptc_error *err)
 static dptc_status begin(nccl_transport *t, const dptc_order *order, const dptc_coll *c,
                          dptc_error *err)
 {
-    if (!t->comm) {  /* aborted */
-        memcpy(err, &t->abort_err, sizeof *err);
-        return t->abort_status;
-    }
-    CUDA(t, cudaSetDevice(t->device), err);
+    if (!t->comm)  /* aborted */
+        return aborted_error(t, err);
+    CHECK(use_device(t, err));
     CUDA(t, cudaEventRecord(t->ready[order->stream], (dptc_cuda_stream)c->device_stream), err);
     CUDA(t, cudaStreamWaitEvent(t->streams[order->stream], t->ready[order->stream], 0), err);
     return DPTC_OK;
@@ -372,8 +409,7 @@ static dptc_status collective(dptc_transport *base, const dptc_order *order, con
                       redop < 0))
         return dptc_fail(err, DPTC_ERR_INVALID, "NCCL cannot %s %s with %s", dptc_op_name(c->op),
                          dptc_dtype_name(c->dtype), dptc_redop_name(c->redop));
-    if (t->check_order)
-        CHECK(slot_free(t, order, err));
+    CHECK(slot_free(t, order, err));  /* the completion events' ring, checked or not */
     pthread_mutex_lock(&t->lock);
     dptc_status status = begin(t, order, c, err);
     if (status == DPTC_OK && t->check_order)
@@ -383,6 +419,8 @@ static dptc_status collective(dptc_transport *base, const dptc_order *order, con
     if (status == DPTC_OK)
         status = end(t, order, done, err);
     pthread_mutex_unlock(&t->lock);
+    if (status != DPTC_OK && atomic_load(&t->aborted))
+        return aborted_error(t, err);  /* the abort's reason, not the call it ended */
     return status;
 }
 
@@ -467,26 +505,55 @@ COLLECTIVE(barrier)
 /* ------------------------------------------------------------------ */
 /* Life cycle */
 
+/* [Note: aborting under an issuer]
+ * The communicator is blocking: an NCCL call can wait inside NCCL for its
+ * peers (NCCL connects them at a collective's first use), with no deadline
+ * of its own and the issuing thread holding t->lock.  An abort (a deadline
+ * passed, a peer failed) waits for that lock at most ABORT_LOCK_WAIT_S, then
+ * aborts the communicator without it: NCCL's abort may come from another
+ * thread and ends such a wait, and the issuer's later calls find comm NULL
+ * and fail.  The failure record is written first, under a lock of its own,
+ * and then `aborted`, so that whoever sees the flag reads a whole record. */
+static int lock_within(pthread_mutex_t *lock, double seconds)
+{
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    long long ns = until.tv_nsec + (long long)(seconds * 1e9);
+    until.tv_sec += (time_t)(ns / 1000000000LL);
+    until.tv_nsec = (long)(ns % 1000000000LL);
+    return pthread_mutex_timedlock(lock, &until) == 0;
+}
+
 static void nccl_abort(dptc_transport *base, dptc_status status, const char *reason)
 {
     nccl_transport *t = (nccl_transport *)base;
-    pthread_mutex_lock(&t->lock);
-    if (!atomic_load(&t->aborted)) {
+    pthread_mutex_lock(&t->fail_lock);
+    int first = !atomic_load(&t->aborted);
+    if (first) {
         t->abort_status = status;
         dptc_fail(&t->abort_err, status, "%s", reason);
         atomic_store(&t->aborted, 1);
-        if (t->comm)
-            t->api->ncclCommAbort(t->comm);  /* stops its kernels; nothing to report */
-        t->comm = NULL;
     }
-    pthread_mutex_unlock(&t->lock);
+    pthread_mutex_unlock(&t->fail_lock);
+    if (!first)
+        return;
+    int locked = lock_within(&t->lock, ABORT_LOCK_WAIT_S);
+    dptc_nccl_comm comm = atomic_exchange(&t->comm, NULL);
+    if (comm) {
+        dptc_error ignored;
+        use_device(t, &ignored);
+        t->api->ncclCommAbort(comm);  /* stops its kernels; nothing to report */
+    }
+    if (locked)
+        pthread_mutex_unlock(&t->lock);
 }
 
 /* Frees what open made; t->comm is already destroyed or aborted. */
 static void release(nccl_transport *t)
 {
     const dptc_cuda_api *api = t->api;
-    api->cudaSetDevice(t->device);
+    dptc_error ignored;
+    use_device(t, &ignored);
     for (int s = 0; s < t->nstreams; s++) {
         for (int k = 0; k < RING; k++) {
             if (t->done[s][k].event)
@@ -506,6 +573,7 @@ static void release(nccl_transport *t)
     if (t->scratch)
         api->cudaFree(t->scratch);
     pthread_mutex_destroy(&t->lock);
+    pthread_mutex_destroy(&t->fail_lock);
     free(t);
 }
 
@@ -513,9 +581,12 @@ static void nccl_destroy(dptc_transport *base)
 {
     nccl_transport *t = (nccl_transport *)base;
     /* The engine completed every collective first (dptc_group_destroy). */
-    if (t->comm)
-        t->api->ncclCommDestroy(t->comm);
-    t->comm = NULL;
+    dptc_nccl_comm comm = atomic_exchange(&t->comm, NULL);
+    if (comm) {
+        dptc_error ignored;
+        use_device(t, &ignored);
+        t->api->ncclCommDestroy(comm);
+    }
     release(t);
 }
 
@@ -638,7 +709,7 @@ static dptc_status open_records(nccl_transport *t, int s, dptc_error *err)
 
 static dptc_status open_resources(nccl_transport *t, double timeout_s, dptc_error *err)
 {
-    CUDA(t, cudaSetDevice(t->device), err);
+    CHECK(use_device(t, err));
     for (int s = 0; s < t->nstreams; s++) {
         CUDA(t, cudaStreamCreateWithPriority(&t->streams[s], DPTC_CUDA_STREAM_NON_BLOCKING, 0),
              err);
@@ -677,6 +748,7 @@ static dptc_status nccl_open(const dptc_group_config *cfg, dptc_transport **out,
     const char *check = getenv("DPTC_NCCL_CHECK_ORDER");
     t->check_order = !(check && strcmp(check, "0") == 0);
     pthread_mutex_init(&t->lock, NULL);
+    pthread_mutex_init(&t->fail_lock, NULL);
     dptc_status status = open_resources(t, cfg->timeout_s, err);
     if (status != DPTC_OK) {
         release(t);

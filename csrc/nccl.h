@@ -3,8 +3,14 @@
  * [Note: the NCCL transport]
  * One NCCL communicator per dptc group, built from a unique id the group's
  * rank 0 made and the others read from the store (dptc/group.py).  Each
- * engine stream has its own CUDA stream (non-blocking), so a prefetch gather
- * and a gradient reduction run side by side.  The transport enqueues (see
+ * engine stream has its own CUDA stream (non-blocking), so a collective
+ * waits for the work of the stream that issued it, not for the other engine
+ * stream's collectives.  On the device NCCL still runs one communicator's
+ * kernels in the order they were issued, whatever their streams, and pairs
+ * them across ranks in that order: the ranks must issue the streams'
+ * collectives in the same interleaving, as dptc's wrappers do (one thread at
+ * a time, in program order), while the order check compares each stream
+ * alone.  The transport enqueues (see
  * [Note: device transports] in transport.h): on the issuing thread, a
  * collective records an event on the issuer's stream, makes its engine
  * stream's CUDA stream wait on it, enqueues the NCCL call and records its

@@ -510,3 +510,110 @@ def test_cuda_work_result_is_nccls(fake):
     assert result["barrier"] == [0, True], result
     assert result["engine_get_future"][0] == "TypeError", result
     assert "CudaWork" in result["engine_get_future"][1], result
+
+
+def test_every_thread_sets_its_device_before_using_the_runtime(fake):
+    """The CUDA runtime makes device 0's context current for a thread that calls it without
+    setting a device (hundreds of MiB on GPU 0 for every rank of a node): the progress threads
+    that poll the completions, and every other thread dptc calls the runtime from, set the
+    group's device first.  The fake counts runtime calls on threads that never set one."""
+    result = _run(fake, """
+        g = group(streams=2)
+        f32 = dtype_code(torch.float32)
+        x = torch.ones(64)
+        for stream in (0, 1):
+            for _ in range(3):
+                g.submit(OP_ALL_REDUCE, f32, 0, x, x, 64, 0, stream, None).synchronize()
+        fake.fake_set_hang(1)
+        w = g.submit(OP_ALL_GATHER, f32, 0, x, torch.zeros(64), 64, 0, 1, None)
+        time.sleep(0.1)                         # the progress thread polls a while
+        fake.fake_set_hang(0)
+        w.synchronize()
+        g.close()
+        print(json.dumps({"without_device": fake.fake_calls_without_device()}))
+    """)
+    assert result["without_device"] == 0, result
+
+
+def test_an_abort_fails_the_collectives_queued_behind(fake):
+    """NCCL's abort ends the communicator's kernels early, so the events behind them complete:
+    the collectives still queued when the group is aborted (on both streams) fail with the
+    abort's reason, none of them reporting success with the outputs half written."""
+    result = _run(fake, """
+        g = group(timeout=30.0, streams=2)
+        f32 = dtype_code(torch.float32)
+        fake.fake_set_hang(1)
+        works = [g.submit(OP_ALL_REDUCE, f32, 0, torch.ones(8), torch.ones(8), 8, 0, k % 2, None)
+                 for k in range(5)]
+        time.sleep(0.1)
+        started = time.monotonic()
+        g.abort("the test gave up on purpose")
+        outcomes = [error(w.synchronize) for w in works]
+        waited_s = time.monotonic() - started
+        g.close()
+        print(json.dumps({"outcomes": outcomes, "waited_s": waited_s}))
+    """)
+    for outcome in result["outcomes"]:
+        assert outcome is not None, result           # None: reported as completed
+        assert "the test gave up on purpose" in outcome[1], result
+    assert result["waited_s"] < 5.0, result
+
+
+def test_an_abort_ends_a_call_waiting_inside_nccl(fake):
+    """A collective's NCCL call can wait inside NCCL for peers that never come to connect,
+    holding the transport's lock (the communicator is blocking).  An abort from another thread
+    (a peer's failure, a deadline) does not wait for it: within about a second it aborts the
+    communicator under the call, which then fails, instead of both threads hanging."""
+    result = _run(fake, """
+        import threading
+        g = group(timeout=30.0)
+        f32 = dtype_code(torch.float32)
+        x = torch.ones(8)
+        outcome = {}
+        def issue():
+            outcome["error"] = error(lambda: g.submit(OP_ALL_REDUCE, f32, 0, x, x, 8, 0, 0,
+                                                      None).synchronize())
+        fake.fake_set_calls_block(1)
+        issuer = threading.Thread(target=issue)
+        issuer.start()
+        time.sleep(0.3)                          # the issuer now waits inside the fake NCCL
+        started = time.monotonic()
+        g.abort("the test gave up on purpose")
+        abort_s = time.monotonic() - started
+        issuer.join(10)
+        fake.fake_set_calls_block(0)
+        print(json.dumps({"abort_s": abort_s, "issuer_done": not issuer.is_alive(),
+                          "error": outcome.get("error"), "aborts": fake.fake_aborts()}))
+        if not issuer.is_alive():
+            g.close()
+    """)
+    assert result["issuer_done"], result
+    assert result["abort_s"] < 3.0, result
+    assert result["aborts"] == 1, result
+    assert result["error"] is not None, result
+    assert "the test gave up on purpose" in result["error"][1], result
+
+
+def test_completion_events_wait_for_their_slot_without_the_order_check(fake):
+    """Each stream keeps 64 completion events in a ring.  With the order check left out
+    (DPTC_NCCL_CHECK_ORDER=0) a 65th collective behind 64 unfinished ones still waits for its
+    slot (here until the group's 1.5 s deadline, then DistTimeoutError) instead of being
+    issued at once onto the first one's event, which it re-recorded: the first collective
+    then waited for the 65th."""
+    result = _run(fake, """
+        os.environ["DPTC_NCCL_CHECK_ORDER"] = "0"
+        g = group(timeout=1.5)
+        f32 = dtype_code(torch.float32)
+        x = torch.ones(4)
+        fake.fake_set_hang(1)
+        works = [g.submit(OP_ALL_REDUCE, f32, 0, x, x, 4, 0, 0, None) for _ in range(64)]
+        started = time.monotonic()
+        late = g.submit(OP_ALL_REDUCE, f32, 0, x, x, 4, 0, 0, None)
+        issue_s = time.monotonic() - started
+        failure = error(late.synchronize)
+        fake.fake_set_hang(0)
+        g.close()
+        print(json.dumps({"issue_s": issue_s, "failure": failure}))
+    """)
+    assert result["issue_s"] >= 1.0, result       # issued at once onto a slot in use
+    assert result["failure"][0] == "DistTimeoutError", result

@@ -15,12 +15,18 @@
 static int hang;            /* events recorded while set complete only once it is cleared */
 static int async_error;     /* what ncclCommGetAsyncError reports */
 static volatile int init_blocks;   /* ncclCommInitRank waits while set (a missing member) */
+static volatile int calls_block;   /* collectives wait inside NCCL while set, until an abort */
 static int corrupt_gather;  /* the next all-gather's byte corrupt_at comes back changed */
 static size_t corrupt_at;
 #define PEER_BYTES 64
 static unsigned char peer_bytes[PEER_BYTES];  /* a peer's part of uint8 MAX all-reduces */
 static size_t peer_count;
 static long calls_stream_wait, calls_abort, calls_destroy, calls_init;
+/* A thread that never set a device: the real runtime makes device 0's
+ * context current for it on its first call that needs one. */
+static __thread int device_set;
+static long calls_without_device;
+#define NEEDS_DEVICE() (calls_without_device += !device_set)
 #define RECORDS 4
 static void *recorded_on[RECORDS];   /* the streams of the last event records, newest first */
 
@@ -29,6 +35,7 @@ typedef struct { int held; } event;
 void fake_set_hang(int on) { hang = on; }
 void fake_set_async_error(int result) { async_error = result; }
 void fake_set_init_blocks(int on) { init_blocks = on; }
+void fake_set_calls_block(int on) { calls_block = on; }
 void fake_set_corrupt_gather(int on) { corrupt_gather = on; corrupt_at = 0; }
 void fake_set_corrupt_gather_at(int at) { corrupt_gather = 1; corrupt_at = (size_t)at; }
 /* Until called again with n = 0, every uint8 MAX all-reduce of at least n
@@ -43,6 +50,7 @@ long fake_stream_waits(void) { return calls_stream_wait; }
 long fake_aborts(void) { return calls_abort; }
 long fake_destroys(void) { return calls_destroy; }
 long fake_inits(void) { return calls_init; }
+long fake_calls_without_device(void) { return calls_without_device; }
 void *fake_recorded_stream(int back)
 {
     return back >= 0 && back < RECORDS ? recorded_on[back] : NULL;
@@ -51,10 +59,17 @@ void *fake_recorded_stream(int back)
 /* ---- CUDA runtime ---- */
 int cudaGetDeviceCount(int *n) { *n = 1; return 0; }
 int cudaGetDevice(int *d) { *d = 0; return 0; }
-int cudaSetDevice(int d) { return d == 0 ? 0 : 101; /* cudaErrorInvalidDevice */ }
+int cudaSetDevice(int d)
+{
+    if (d != 0)
+        return 101; /* cudaErrorInvalidDevice */
+    device_set = 1;
+    return 0;
+}
 int cudaStreamCreateWithPriority(void **s, unsigned flags, int priority)
 {
     (void)flags, (void)priority;
+    NEEDS_DEVICE();
     *s = malloc(1);
     return *s ? 0 : 2;
 }
@@ -62,31 +77,44 @@ int cudaStreamDestroy(void *s) { free(s); return 0; }
 int cudaEventCreateWithFlags(void **e, unsigned flags)
 {
     (void)flags;
+    NEEDS_DEVICE();
     *e = calloc(1, sizeof(event));
     return *e ? 0 : 2;
 }
 int cudaEventRecord(void *e, void *stream)
 {
+    NEEDS_DEVICE();
     ((event *)e)->held = hang;
     memmove(recorded_on + 1, recorded_on, (RECORDS - 1) * sizeof recorded_on[0]);
     recorded_on[0] = stream;
     return 0;
 }
-int cudaEventQuery(void *e) { return ((event *)e)->held && hang ? 600 : 0; }
+int cudaEventQuery(void *e)
+{
+    NEEDS_DEVICE();
+    return ((event *)e)->held && hang ? 600 : 0;
+}
 int cudaEventSynchronize(void *e) { (void)e; return 0; }
 int cudaStreamWaitEvent(void *s, void *e, unsigned flags)
 {
     (void)s, (void)e, (void)flags;
+    NEEDS_DEVICE();
     calls_stream_wait++;
     return 0;
 }
 int cudaEventDestroy(void *e) { free(e); return 0; }
 const char *cudaGetErrorString(int e) { return e ? "fake CUDA error" : "no error"; }
-int cudaMalloc(void **p, size_t bytes) { *p = calloc(1, bytes ? bytes : 1); return *p ? 0 : 2; }
+int cudaMalloc(void **p, size_t bytes)
+{
+    NEEDS_DEVICE();
+    *p = calloc(1, bytes ? bytes : 1);
+    return *p ? 0 : 2;
+}
 int cudaFree(void *p) { free(p); return 0; }
 int cudaHostAlloc(void **p, size_t bytes, unsigned flags)
 {
     (void)flags;
+    NEEDS_DEVICE();
     *p = calloc(1, bytes ? bytes : 1);
     return *p ? 0 : 2;
 }
@@ -94,6 +122,7 @@ int cudaFreeHost(void *p) { free(p); return 0; }
 int cudaMemcpyAsync(void *dst, const void *src, size_t bytes, int kind, void *stream)
 {
     (void)kind, (void)stream;
+    NEEDS_DEVICE();
     memmove(dst, src, bytes);
     return 0;
 }
@@ -140,12 +169,37 @@ int ncclCommInitRank(void **comm, int nranks, unique_id id, int rank)
     *comm = ranks;
     return 0;
 }
-int ncclCommAbort(void *comm) { calls_abort++; free(comm); return 0; }
+/* As NCCL's abort flag ends the communicator's kernels early, what they held
+ * completes. */
+int ncclCommAbort(void *comm)
+{
+    __atomic_add_fetch(&calls_abort, 1, __ATOMIC_SEQ_CST);
+    hang = 0;
+    free(comm);
+    return 0;
+}
 int ncclCommDestroy(void *comm) { calls_destroy++; free(comm); return 0; }
 int ncclCommGetAsyncError(void *comm, int *result) { (void)comm; *result = async_error; return 0; }
+/* While calls_block is set a collective waits inside NCCL, as one whose
+ * peers have not come to connect, until the communicator is aborted from
+ * another thread; then it fails, as NCCL's do. */
+static int wait_inside(void)
+{
+    long aborts = __atomic_load_n(&calls_abort, __ATOMIC_SEQ_CST);
+    while (calls_block) {
+        if (__atomic_load_n(&calls_abort, __ATOMIC_SEQ_CST) != aborts)
+            return 5; /* ncclInvalidUsage */
+        struct timespec pause = {0, 1000000};
+        nanosleep(&pause, NULL);
+    }
+    return 0;
+}
+
 int ncclAllReduce(const void *s, void *r, size_t n, int dt, int op, void *c, void *st)
 {
     (void)c, (void)st;
+    if (wait_inside())
+        return 5;
     int result = copy(s, r, n, dt);
     if (result == 0 && dt == 1 /* ncclUint8 */ && op == 2 /* ncclMax */ && n >= peer_count)
         for (size_t i = 0; i < peer_count; i++)
@@ -161,6 +215,8 @@ int ncclReduceScatter(const void *s, void *r, size_t n, int dt, int op, void *c,
 int ncclAllGather(const void *s, void *r, size_t n, int dt, void *c, void *st)
 {
     (void)st;
+    if (wait_inside())
+        return 5;
     int rc = 0;
     for (int k = 0; k < *(int *)c && rc == 0; k++)
         rc = copy(s, (char *)r + k * n * element_size(dt), n, dt);
