@@ -491,6 +491,24 @@ static PyObject *work_parts(WorkObject *self, PyObject *Py_UNUSED(ignored))
     return Py_BuildValue("(iOOi)", self->op, input, output, self->size);
 }
 
+/* _release_tensors(): drops the tensors the work keeps alive, once a caller
+ * has made the stream they were allocated on wait for it (fully_shard's
+ * buffers): torch's caching allocator hands their blocks out again only to
+ * work on that stream, which now runs after the collective, as torch's NCCL
+ * Work unstashes its tensors after its stream wait.  Otherwise they would
+ * stay allocated until the host saw the collective complete (see [Note:
+ * dropped device work]), while the host runs ahead of the device. */
+static PyObject *work_release_tensors(WorkObject *self, PyObject *Py_UNUSED(ignored))
+{
+    if (!self->group || self->group->shm) {
+        PyErr_SetString(PyExc_TypeError, "_release_tensors is for collectives on CUDA tensors "
+                                         "(NCCL), after a stream wait");
+        return NULL;
+    }
+    Py_CLEAR(self->keepalive);
+    Py_RETURN_NONE;
+}
+
 static PyObject *work_get_timeout(WorkObject *self, void *Py_UNUSED(closure))
 {
     return PyFloat_FromDouble(self->timeout_s);
@@ -567,6 +585,7 @@ static PyMethodDef work_methods[] = {
      "collective completes (no wait needed), or with its exception."},
     {"_watch", (PyCFunction)work_watch, METH_NOARGS, NULL},
     {"_parts", (PyCFunction)work_parts, METH_NOARGS, NULL},
+    {"_release_tensors", (PyCFunction)work_release_tensors, METH_NOARGS, NULL},
     {NULL, NULL, 0, NULL},
 };
 

@@ -157,12 +157,34 @@ static PyObject *submit(UnitObject *self, PyObject *group, int op, PyObject *dty
     return work;
 }
 
+/* [Note: a device unit's waits]
+ * A collective on CUDA tensors is waited for by streams, not by the host.
+ * Two streams wait: the one it was issued after (Work.wait()), where the
+ * unit allocated its buffers, so that freeing them afterwards is safe; and
+ * the stream current now, which reads what it wrote.  They differ where a
+ * script runs backward under a side stream (`with torch.cuda.stream(s):
+ * loss.backward()`, which torch documents): autograd's hooks issue on the
+ * streams the forward ran on, while the end-of-backward callback, the
+ * optimizer and HSDP's step run on s.  torch's NCCL Work.wait() makes the
+ * current stream wait, and so does its fully_shard.  Then the work lets go
+ * of its tensors (Work._release_tensors): the issuing stream has waited. */
+
 /* Waits for *work and drops it.  0, or -1 with the work's exception. */
-static int finish(PyObject **work)
+static int finish(UnitObject *self, PyObject **work)
 {
     if (!*work)
         return 0;
     PyObject *done = PyObject_CallMethod(*work, "wait", NULL);
+    if (done && self->current_stream) {  /* see [Note: a device unit's waits] */
+        Py_DECREF(done);
+        PyObject *stream = PyObject_CallNoArgs(self->current_stream);
+        done = stream ? PyObject_CallMethod(*work, "wait_stream", "O", stream) : NULL;
+        Py_XDECREF(stream);
+        if (done) {
+            Py_DECREF(done);
+            done = PyObject_CallMethod(*work, "_release_tensors", NULL);
+        }
+    }
     Py_CLEAR(*work);
     if (!done)
         return -1;
@@ -240,7 +262,7 @@ static PyObject *unit_wait_unshard(UnitObject *self, PyObject *Py_UNUSED(ignored
         return NULL;
     }
     if (self->state == UNIT_UNSHARDING) {
-        int rc = finish(&self->gather_work);
+        int rc = finish(self, &self->gather_work);
         /* Failed or not, the gather is over: a failure leaves the group
          * aborted and the unit sharded. */
         self->state = rc == 0 ? UNIT_UNSHARDED : UNIT_SHARDED;
@@ -257,7 +279,7 @@ static PyObject *unit_reshard(UnitObject *self, PyObject *Py_UNUSED(ignored))
 {
     if (self->state == UNIT_SHARDED)
         Py_RETURN_FALSE;
-    int rc = self->state == UNIT_UNSHARDING ? finish(&self->gather_work) : 0;
+    int rc = self->state == UNIT_UNSHARDING ? finish(self, &self->gather_work) : 0;
     self->state = UNIT_SHARDED;
     if (unit_close_range(self, &self->gather_range) < 0 || rc < 0)
         return NULL;
@@ -367,7 +389,7 @@ static int run_after_reduce(UnitObject *self)
                       PyTuple_GET_ITEM(after, 2), input, output, PyTuple_GET_ITEM(after, 5),
                       (int)stream);
     if (work)
-        rc = finish(&work);
+        rc = finish(self, &work);
     if (unit_close_range(self, &range) < 0)
         rc = -1;
     Py_DECREF(after);
@@ -380,7 +402,7 @@ static PyObject *unit_wait_reduce(UnitObject *self, PyObject *Py_UNUSED(ignored)
 {
     if (self->grads == GRADS_IDLE)
         Py_RETURN_FALSE;
-    int rc = finish(&self->reduce_work);
+    int rc = finish(self, &self->reduce_work);
     if (unit_close_range(self, &self->reduce_range) < 0)
         rc = -1;
     if (rc == 0)

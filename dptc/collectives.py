@@ -151,6 +151,9 @@ class _WrittenBack:
         return done
 
     def result(self):
+        if self._target.is_cuda:
+            # CUDA's result() does not wait: order the write-back after the collective.
+            self._work.wait()
         return self._values(self._work.result())
 
     def get_future(self):

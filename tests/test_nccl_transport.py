@@ -29,6 +29,7 @@ PRELUDE = """
     from dptc._dtypes import OP_BARRIER, dtype_code
     fake = ctypes.CDLL(os.environ["DPTC_NCCL_LIBRARY"])
     fake.fake_recorded_stream.restype = ctypes.c_void_p
+    fake.fake_waited_stream.restype = ctypes.c_void_p
     _cuda.load()
 
     class Stream:                      # what torch.cuda.Stream offers dptc
@@ -221,8 +222,9 @@ def test_fully_shard_units_run_on_the_nccl_engine(fake):
     """fully_shard's units take the NCCL engine for CUDA parameters (ProcessGroup
     .device_engine); here, at world size 1, CPU parameters are routed to it as if they were on
     device 0, so the gathers and reduce-scatters go through the transport and the fake.  Two
-    steps of AdamW train a float64 GPT exactly as single-process training does, and every
-    unit's collective was ordered after the current (fake) stream."""
+    steps of AdamW train a float64 GPT exactly as single-process training does, every unit's
+    collective was ordered after the current (fake) stream, and the root's next forward waited
+    on the set_post_optim_event event."""
     result = _run(fake, """
         import copy
         from tests.workers_fsdp import max_rel
@@ -244,6 +246,15 @@ def test_fully_shard_units_run_on_the_nccl_engine(fake):
             dptc.fully_shard(block)
         dptc.fully_shard(model)
         opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref)]
+
+        class Event:                   # a torch.cuda.Event recorded after the optimizer step
+            device = torch.device("cuda", 0)
+            waits = 0
+            def record(self, stream=None):
+                pass
+            def wait(self, stream=None):
+                Event.waits += 1
+
         generator = torch.Generator().manual_seed(1)
         for _ in range(2):
             idx = torch.randint(0, 64, (4, 17), generator=generator)
@@ -251,10 +262,12 @@ def test_fully_shard_units_run_on_the_nccl_engine(fake):
                 GPT.loss(m(idx[:, :-1]), idx[:, 1:]).backward()
                 opt.step()
                 opt.zero_grad()
+            model.set_post_optim_event(Event())
         rel = max_rel([p.full_tensor() for p in model.parameters()],
                       [p.detach() for p in ref.parameters()])
         dptc.destroy_process_group()
         print(json.dumps({"rel": rel, "inits": fake.fake_inits(), "watchers": watchers(),
+                          "post_optim_waits": Event.waits,
                           "stream_waits": fake.fake_stream_waits(),
                           "recorded_on": [fake.fake_recorded_stream(k) for k in range(3)]}))
     """)
@@ -266,6 +279,8 @@ def test_fully_shard_units_run_on_the_nccl_engine(fake):
     assert 77 in result["recorded_on"], result     # the units' collectives follow it
     # Every gather and reduce-scatter waits on its issuer's stream (3 units, 2 steps).
     assert result["stream_waits"] >= 2 * 3 * 2, result
+    # The second forward's current stream waited on the event the first step left.
+    assert result["post_optim_waits"] == 1, result
 
 
 @pytest.mark.parametrize("as_view", [False, True])
@@ -617,3 +632,50 @@ def test_completion_events_wait_for_their_slot_without_the_order_check(fake):
     """)
     assert result["issue_s"] >= 1.0, result       # issued at once onto a slot in use
     assert result["failure"][0] == "DistTimeoutError", result
+
+
+def test_a_device_unit_waits_on_the_current_stream_and_lets_go_of_its_buffers(fake):
+    """fully_shard's unit waits for a gather with two streams: the one it was issued after
+    (where its buffers were allocated) and the one current when it waits (a backward run
+    under a side stream issues on autograd's streams and finishes on the side stream, which
+    then reads the results).  Then it lets go of the gather's tensors at once, with the
+    device still running (the issuing stream has waited, so torch's allocator hands the
+    memory to later work only), instead of holding them until the host sees completion."""
+    result = _run(fake, """
+        import weakref
+        g = group(streams=2)
+        current = {"stream": 77}
+        unit = _C.Unit(g, 1, gather_stream=0, reduce_stream=1,
+                       current_stream=lambda: Stream(current["stream"]))
+        source, out = torch.arange(8.0), torch.zeros(8)
+        source_alive = weakref.ref(source)
+        fake.fake_set_hang(1)
+        unit.unshard(dtype_code(torch.float32), source, [out], 8)
+        current["stream"] = 88                    # the side stream the script made current
+        unit.wait_unshard()
+        del source
+        waited = [fake.fake_waited_stream(k) for k in range(4)]
+        alive = source_alive() is not None
+        fake.fake_set_hang(0)
+        g.close()
+        print(json.dumps({"waited": waited, "alive": alive}))
+    """)
+    assert 77 in result["waited"] and 88 in result["waited"], result
+    assert not result["alive"], result       # kept until the host saw the gather complete
+
+
+def test_result_of_a_staged_cuda_collective_writes_back_after_it():
+    """A collective on a non-contiguous CUDA tensor runs on a contiguous copy that result()
+    writes back into the caller's tensor.  A CUDA work's result() does not wait, so result()
+    first makes the current stream wait for the collective (Work.wait()), then copies; it
+    copied the staged values before the collective had written them, and never again."""
+    from types import SimpleNamespace
+
+    from dptc.collectives import _WrittenBack
+    calls = []
+    staged = object()
+    work = SimpleNamespace(wait=lambda: calls.append("wait"), result=lambda: [staged])
+    target = SimpleNamespace(is_cuda=True, copy_=lambda source: calls.append("copy"))
+    values = _WrittenBack(work, target, staged).result()
+    assert calls == ["wait", "copy"], calls
+    assert values == [target], values

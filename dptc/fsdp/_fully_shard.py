@@ -250,10 +250,11 @@ class FSDPModule(_TorchFSDPModule):
     def set_post_optim_event(self, event):
         """torch's: an event recorded after the optimizer step, for the root's next
         all-gathers to wait on instead of everything queued on the current stream before
-        them.  dptc's gathers follow the current stream (which holds the optimizer step), so
-        the event adds no dependency: it is taken and dropped at the root's next forward, as
-        torch's root drops it after waiting.  The false dependency torch's API removes, on
-        work queued after the optimizer step, stays under dptc."""
+        them.  dptc's gathers follow the current stream, and the root's next forward makes
+        that stream wait on a CUDA event first, so an optimizer step run on another stream is
+        ordered before them too; then the event is dropped, as torch's root drops it after
+        waiting.  The false dependency torch's API removes, on work queued on the current
+        stream after the optimizer step, stays under dptc."""
         if not all(hasattr(event, name) for name in ("record", "wait")):
             raise TypeError(f"event must be a torch.Event (or torch.cuda.Event) recorded after "
                             f"the optimizer step, got {event!r}")

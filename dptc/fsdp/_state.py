@@ -164,7 +164,9 @@ class State:
             if root.rings_stale:
                 root.rings_stale = False
                 root._make_rings()
-            root.post_optim_event = None       # see FSDPModule.set_post_optim_event
+            event, root.post_optim_event = root.post_optim_event, None
+            if event is not None and _on_cuda(event):
+                event.wait()                   # see FSDPModule.set_post_optim_event
         if self not in root.forward_order:
             root.forward_order.append(self)
         if self.unit is not None:
@@ -448,3 +450,12 @@ def _range_names(tops):
                 parts = [part for part in name.split(".") if part and part not in _WRAPPER_NAMES]
                 names[module] = ".".join(parts) or "root"
     return names
+
+
+def _on_cuda(event):
+    """Whether a set_post_optim_event event is a CUDA one (its wait() orders the current
+    stream after it); a CPU event orders nothing."""
+    if isinstance(event, torch.cuda.Event):
+        return True
+    device = getattr(event, "device", None)
+    return getattr(device, "type", None) == "cuda"

@@ -29,6 +29,7 @@ static long calls_without_device;
 #define NEEDS_DEVICE() (calls_without_device += !device_set)
 #define RECORDS 4
 static void *recorded_on[RECORDS];   /* the streams of the last event records, newest first */
+static void *waited_on[RECORDS];     /* the streams of the last stream waits, newest first */
 
 typedef struct { int held; } event;
 
@@ -54,6 +55,10 @@ long fake_calls_without_device(void) { return calls_without_device; }
 void *fake_recorded_stream(int back)
 {
     return back >= 0 && back < RECORDS ? recorded_on[back] : NULL;
+}
+void *fake_waited_stream(int back)
+{
+    return back >= 0 && back < RECORDS ? waited_on[back] : NULL;
 }
 
 /* ---- CUDA runtime ---- */
@@ -97,9 +102,11 @@ int cudaEventQuery(void *e)
 int cudaEventSynchronize(void *e) { (void)e; return 0; }
 int cudaStreamWaitEvent(void *s, void *e, unsigned flags)
 {
-    (void)s, (void)e, (void)flags;
+    (void)e, (void)flags;
     NEEDS_DEVICE();
     calls_stream_wait++;
+    memmove(waited_on + 1, waited_on, (RECORDS - 1) * sizeof waited_on[0]);
+    waited_on[0] = s;
     return 0;
 }
 int cudaEventDestroy(void *e) { free(e); return 0; }
