@@ -48,6 +48,9 @@ Sections:
 4. fsdp         fully_shard on each block then the root, MixedPrecisionPolicy(param_dtype=
                 bfloat16, reduce_dtype=float32), same model: torch's fully_shard on NCCL, then
                 dptc's; parameters against torch's, step time and peak memory as ratios.
+                Then dptc's again with backward and the optimizer step on a side stream made
+                current (forward on the default stream), parameters against torch's: the
+                end-of-backward waits must order that stream after the reduce-scatters.
 5. drill        a communicator timeout must become an exception, not a hang: a dptc group with
                 a 1 s timeout (dptc.new_group(timeout=)), a collective issued behind a GPU
                 stall of 12 s (torch.cuda._sleep on the current stream); a dptc.DistError
@@ -691,7 +694,25 @@ def train_step(model, optimizer, batch, device, autocast):
     return loss.detach()
 
 
-def measure(build, batches, args, device, autocast):
+def train_step_side_stream(model, optimizer, batch, device, autocast):
+    """train_step with forward on the current stream and backward and the optimizer step on a
+    side stream made current, as torch's CUDA semantics notes allow: the gradients and what
+    the wrapper reduced must be waited for by the side stream."""
+    inputs, targets = batch
+    optimizer.zero_grad(set_to_none=True)
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+        logits = model(inputs)
+    loss = GPT.loss(logits.float(), targets)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        loss.backward()
+        optimizer.step()
+    torch.cuda.current_stream().wait_stream(side)
+    return loss.detach()
+
+
+def measure(build, batches, args, device, autocast, step=train_step):
     """Builds one implementation's model alone on the device and trains it on every batch."""
     device.reset_peak()
     model = build()
@@ -700,7 +721,7 @@ def measure(build, batches, args, device, autocast):
     for index, batch in enumerate(batches):
         device.sync()
         start = time.perf_counter()
-        losses.append(train_step(model, optimizer, batch, device, autocast))
+        losses.append(step(model, optimizer, batch, device, autocast))
         device.sync()
         if index >= args.warmup:
             step_s.append(time.perf_counter() - start)
@@ -844,9 +865,9 @@ def section_fsdp(args, device, rows):
     initial, batches = model_and_batches(args, device)
     start = {name: p.detach().clone() for name, p in initial.named_parameters()}
 
-    def train(build):
+    def train(build, step=train_step):
         # The policy casts: no autocast.
-        return lambda: measure(build, batches, args, device, autocast=False)
+        return lambda: measure(build, batches, args, device, autocast=False, step=step)
 
     attempt(rows, "fsdp", "fsdp warm-up", lambda: warm_up(initial, batches, args, device))
     torch_run = attempt(rows, "fsdp", "fsdp torch", train(lambda: torch_fsdp(initial, device)))
@@ -858,6 +879,16 @@ def section_fsdp(args, device, rows):
         rows.add(result_row("fsdp", "fsdp dptc", dptc_run, args, start, reference,
                             peers=[reference],
                             targets=[("step", "torch", 1.00), ("peak", "torch", 1.00)]))
+    # Backward and the optimizer step on a side stream: the end-of-backward reduction's waits
+    # and the optimizer must follow dptc's reduce-scatters there too.
+    name = "fsdp dptc side stream"
+    if not device.cuda:
+        rows.add(make_row("fsdp", name, "SKIP", "CUDA streams only"))
+        return
+    side_run = attempt(rows, "fsdp", name, train(lambda: dptc_fsdp(initial, device),
+                                                 step=train_step_side_stream))
+    if side_run is not None:
+        rows.add(result_row("fsdp", name, side_run, args, start, reference, peers=[reference]))
 
 
 # ---------------------------------------------------------------------------------------------
