@@ -773,7 +773,6 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
     default $DPTC_TIMEOUT or 300 s) bounds every wait.
     """
     global _default, _generation, _world_nodes, _owner_pid, _destroyed
-    _destroyed = None
     if _default is not None:
         if dist.is_initialized():
             _check_reinit(_default, backend, timeout, world_size, rank)
@@ -802,6 +801,7 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
                            seconds, dist.group.WORLD)
     _default._prefix_store = prefix_store
     _owner_pid = os.getpid()
+    _destroyed = None               # only once the new group is up: see _refuse_use_after_destroy
     logger.info("dptc process group: rank %d of %d, node %d of %d, local rank %d of %d",
                 rank, size, _default.node, _default.nnodes, _default.local_rank,
                 _default.local_size)
@@ -973,13 +973,14 @@ def destroy_process_group(group=None):
     and a re-initialisation then waits on keys nobody writes.
     """
     global _destroyed
-    if group is not None and group is not _default:
-        pg = resolve(group)
-        if pg is not None:
-            pg.close()
-        return
     if _default is None:
         return
+    if group is not None and group is not _default:
+        pg = resolve(group)
+        if pg is not _default:      # torch's WORLD (or a mesh over every rank) is the default
+            if pg is not None:
+                pg.close()
+            return
     _destroyed = weakref.ref(dist.group.WORLD) if dist.is_initialized() else (lambda: None)
     _close_all()
 

@@ -23,6 +23,15 @@ def stuck_peer(stall: float):
     return "completed"
 
 
+def raised(call):
+    """The type name of what call() raises, or None."""
+    try:
+        call()
+    except Exception as caught:  # noqa: BLE001 - the type is the result
+        return type(caught).__name__
+    return None
+
+
 def reinit_and_info(use_torch_init: bool):
     """Rank/size queries, destroy and a second initialisation with a working engine; between
     them, a collective raises torch's ValueError at once (no group to start again in silence)."""
@@ -47,10 +56,16 @@ def reinit_and_info(use_torch_init: bool):
             except ValueError as error:
                 sums.append([type(error).__name__, str(error)[:46],
                              time.monotonic() - began < 1.0])
+            try:    # an init that fails leaves the group destroyed
+                dptc.init_process_group(backend="nccl")
+            except ValueError:
+                pass
+            sums.append(raised(lambda: dptc.get_rank()))
             dptc.init_process_group()
         dptc.all_reduce(t)
         sums.append(t[0].item())
-        dptc.destroy_process_group()
+        # torch's WORLD names the default group, as in torch
+        dptc.destroy_process_group(dist.group.WORLD if round else None)
         sums.append(dptc.is_initialized())
     # torch.distributed stays up: the script's own, or the one dptc set up (torn down at exit).
     results["torch_initialized_at_end"] = dist.is_initialized()
