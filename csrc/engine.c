@@ -551,6 +551,10 @@ dptc_status dptc_group_create(const dptc_transport_ops *transport, const dptc_gr
 
 dptc_transport *dptc_group_transport(dptc_group *g) { return g->transport; }
 
+void dptc_group_retain(dptc_group *g) { group_retain(g); }
+
+void dptc_group_release(dptc_group *g) { group_release(g); }
+
 void dptc_group_abort(dptc_group *g, const char *reason)
 {
     dptc_error err;

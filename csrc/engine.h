@@ -117,6 +117,11 @@ dptc_transport *dptc_group_transport(dptc_group *g);
  * message.  Safe from any thread, also after dptc_group_destroy (then a
  * no-op). */
 void dptc_group_abort(dptc_group *g, const char *reason);
+/* A reference to g for a caller that uses it without the GIL while another
+ * thread may destroy it (dptc_group_abort can wait a moment for a device
+ * transport, see [Note: aborting under an issuer] in nccl.c). */
+void dptc_group_retain(dptc_group *g);
+void dptc_group_release(dptc_group *g);
 /* Fails queued work, stops the progress threads and closes the transport;
  * then drops the caller's reference.  Works still hold theirs, so a work
  * outlives its group.  Call without the GIL. */

@@ -1138,7 +1138,11 @@ static PyObject *group_abort(GroupObject *self, PyObject *reason)
     const char *text = PyUnicode_AsUTF8(reason);
     if (!text)
         return NULL;
+    dptc_group_retain(g);  /* a close on another thread meanwhile leaves g to us */
+    Py_BEGIN_ALLOW_THREADS
     dptc_group_abort(g, text);
+    Py_END_ALLOW_THREADS
+    dptc_group_release(g);
     Py_RETURN_NONE;
 }
 

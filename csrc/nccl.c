@@ -513,7 +513,15 @@ COLLECTIVE(barrier)
  * aborts the communicator without it: NCCL's abort may come from another
  * thread and ends such a wait, and the issuer's later calls find comm NULL
  * and fail.  The failure record is written first, under a lock of its own,
- * and then `aborted`, so that whoever sees the flag reads a whole record. */
+ * and then `aborted`, so that whoever sees the flag reads a whole record.
+ * Two limits remain.  The stuck call has no deadline of its own: it ends
+ * when something aborts the group (a peer's failure through the store,
+ * another wait's deadline, Ctrl-C).  And NCCL documents aborting a call in
+ * flight on another thread for non-blocking communicators; on a blocking
+ * one the returning call may still touch the communicator being freed.  A
+ * non-blocking communicator (ncclCommInitRankConfig, blocking = 0, each
+ * call's ncclInProgress polled against its deadline with the lock let go)
+ * would lift both; it is not built yet. */
 static int lock_within(pthread_mutex_t *lock, double seconds)
 {
     struct timespec until;

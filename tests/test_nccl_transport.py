@@ -545,9 +545,21 @@ def test_every_thread_sets_its_device_before_using_the_runtime(fake):
         fake.fake_set_hang(0)
         w.synchronize()
         g.close()
-        print(json.dumps({"without_device": fake.fake_calls_without_device()}))
+        # A group aborted from one fresh thread (a watcher) and closed from another.
+        import threading
+        def fresh_thread(call):
+            thread = threading.Thread(target=call)
+            thread.start()
+            thread.join(30)
+        other = group()
+        other.submit(OP_ALL_REDUCE, f32, 0, x, x, 64, 0, 0, None).synchronize()
+        fresh_thread(lambda: other.abort("the test gave up on purpose"))
+        fresh_thread(other.close)
+        print(json.dumps({"without_device": fake.fake_calls_without_device(),
+                          "aborts": fake.fake_aborts()}))
     """)
     assert result["without_device"] == 0, result
+    assert result["aborts"] == 1, result
 
 
 def test_an_abort_fails_the_collectives_queued_behind(fake):

@@ -78,7 +78,12 @@ int cudaStreamCreateWithPriority(void **s, unsigned flags, int priority)
     *s = malloc(1);
     return *s ? 0 : 2;
 }
-int cudaStreamDestroy(void *s) { free(s); return 0; }
+int cudaStreamDestroy(void *s)
+{
+    NEEDS_DEVICE();
+    free(s);
+    return 0;
+}
 int cudaEventCreateWithFlags(void **e, unsigned flags)
 {
     (void)flags;
@@ -109,7 +114,12 @@ int cudaStreamWaitEvent(void *s, void *e, unsigned flags)
     waited_on[0] = s;
     return 0;
 }
-int cudaEventDestroy(void *e) { free(e); return 0; }
+int cudaEventDestroy(void *e)
+{
+    NEEDS_DEVICE();
+    free(e);
+    return 0;
+}
 const char *cudaGetErrorString(int e) { return e ? "fake CUDA error" : "no error"; }
 int cudaMalloc(void **p, size_t bytes)
 {
@@ -117,7 +127,12 @@ int cudaMalloc(void **p, size_t bytes)
     *p = calloc(1, bytes ? bytes : 1);
     return *p ? 0 : 2;
 }
-int cudaFree(void *p) { free(p); return 0; }
+int cudaFree(void *p)
+{
+    NEEDS_DEVICE();
+    free(p);
+    return 0;
+}
 int cudaHostAlloc(void **p, size_t bytes, unsigned flags)
 {
     (void)flags;
@@ -125,7 +140,12 @@ int cudaHostAlloc(void **p, size_t bytes, unsigned flags)
     *p = calloc(1, bytes ? bytes : 1);
     return *p ? 0 : 2;
 }
-int cudaFreeHost(void *p) { free(p); return 0; }
+int cudaFreeHost(void *p)
+{
+    NEEDS_DEVICE();
+    free(p);
+    return 0;
+}
 int cudaMemcpyAsync(void *dst, const void *src, size_t bytes, int kind, void *stream)
 {
     (void)kind, (void)stream;
@@ -180,12 +200,19 @@ int ncclCommInitRank(void **comm, int nranks, unique_id id, int rank)
  * completes. */
 int ncclCommAbort(void *comm)
 {
+    NEEDS_DEVICE();   /* NCCL's abort and destroy switch devices from the current one */
     __atomic_add_fetch(&calls_abort, 1, __ATOMIC_SEQ_CST);
     hang = 0;
     free(comm);
     return 0;
 }
-int ncclCommDestroy(void *comm) { calls_destroy++; free(comm); return 0; }
+int ncclCommDestroy(void *comm)
+{
+    NEEDS_DEVICE();
+    calls_destroy++;
+    free(comm);
+    return 0;
+}
 int ncclCommGetAsyncError(void *comm, int *result) { (void)comm; *result = async_error; return 0; }
 /* While calls_block is set a collective waits inside NCCL, as one whose
  * peers have not come to connect, until the communicator is aborted from
@@ -222,6 +249,8 @@ int ncclReduceScatter(const void *s, void *r, size_t n, int dt, int op, void *c,
 int ncclAllGather(const void *s, void *r, size_t n, int dt, void *c, void *st)
 {
     (void)st;
+    if (!c)
+        return 4; /* ncclInvalidArgument, as NCCL answers a NULL communicator */
     if (wait_inside())
         return 5;
     int rc = 0;
