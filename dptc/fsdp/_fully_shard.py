@@ -285,8 +285,11 @@ class FSDPModule(_TorchFSDPModule):
 
     def set_separate_reduce_scatter_group(self, enable=True, *, recurse=True):
         """Checked and accepted: dptc's reduce-scatters already run on a stream of their own
-        in the group (stream 1; the all-gathers on stream 0), so they never wait behind an
-        all-gather, which is what torch's separate process group is for."""
+        in the group (stream 1; the all-gathers on stream 0).  On CPU ranks that means they
+        never wait behind an all-gather, which is what torch's separate process group is for;
+        on CUDA the two streams share the group's NCCL communicator, whose kernels run in
+        the order they were issued (see [Note: the NCCL transport] in csrc/nccl.h), so there
+        a gather issued after a reduce-scatter still runs after it."""
         if not isinstance(enable, bool):
             raise TypeError(f"enable must be a bool, got {enable!r}")
 
