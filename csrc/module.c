@@ -157,7 +157,7 @@ static PyObject *group_raise(GroupObject *self, dptc_module_state *st, dptc_stat
                              const dptc_error *err)
 {
     if (status == DPTC_ERR_INTERRUPTED && self && self->group)
-        dptc_group_abort(self->group, "a rank was interrupted (KeyboardInterrupt)");
+        dptc_group_abort_released(self->group, "a rank was interrupted (KeyboardInterrupt)");
     if (status == DPTC_ERR_PYTHON && !PyErr_Occurred() && self &&
         PyList_GET_SIZE(self->errors) > 0) {
         PyObject *exc = PyList_GET_ITEM(self->errors, PyList_GET_SIZE(self->errors) - 1);
@@ -1129,6 +1129,15 @@ static PyObject *group_submit(GroupObject *self, PyObject *const *args, Py_ssize
     return work;
 }
 
+void dptc_group_abort_released(dptc_group *g, const char *reason)
+{
+    dptc_group_retain(g);  /* a close on another thread meanwhile leaves g to us */
+    Py_BEGIN_ALLOW_THREADS
+    dptc_group_abort(g, reason);
+    Py_END_ALLOW_THREADS
+    dptc_group_release(g);
+}
+
 static PyObject *group_abort(GroupObject *self, PyObject *reason)
 {
     dptc_module_state *st;
@@ -1138,11 +1147,7 @@ static PyObject *group_abort(GroupObject *self, PyObject *reason)
     const char *text = PyUnicode_AsUTF8(reason);
     if (!text)
         return NULL;
-    dptc_group_retain(g);  /* a close on another thread meanwhile leaves g to us */
-    Py_BEGIN_ALLOW_THREADS
-    dptc_group_abort(g, text);
-    Py_END_ALLOW_THREADS
-    dptc_group_release(g);
+    dptc_group_abort_released(g, text);
     Py_RETURN_NONE;
 }
 

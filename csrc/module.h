@@ -49,6 +49,11 @@ PyObject *dptc_raise(dptc_module_state *st, dptc_status status,
  * TypeError set (naming `argname`) when obj is not one / is closed. */
 dptc_group *dptc_group_from_object(dptc_module_state *st, PyObject *obj,
                                    const char *argname);
+/* dptc_group_abort with the GIL let go meanwhile (a device transport's
+ * abort can wait a moment, see [Note: aborting under an issuer] in nccl.c),
+ * holding a reference to g so that a close on another thread cannot free
+ * it.  GIL held by the caller; a pending exception stays pending. */
+void dptc_group_abort_released(dptc_group *g, const char *reason);
 /* Whether a dptc._C.Group (checked by dptc_group_from_object) moves device
  * tensors through NCCL rather than CPU tensors through shared memory. */
 int dptc_group_object_is_device(PyObject *obj);

@@ -739,7 +739,7 @@ static void step_abort(ReducerObject *r, const char *reason)
     PyErr_Fetch(&type, &value, &traceback);
     dptc_group *g = dptc_group_from_object(reducer_state(r), r->group, "process_group");
     if (g)
-        dptc_group_abort(g, reason);
+        dptc_group_abort_released(g, reason);
     PyErr_Clear();
     step_end(r);
     PyErr_Restore(type, value, traceback);

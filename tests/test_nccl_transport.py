@@ -590,7 +590,8 @@ def test_an_abort_ends_a_call_waiting_inside_nccl(fake):
     """A collective's NCCL call can wait inside NCCL for peers that never come to connect,
     holding the transport's lock (the communicator is blocking).  An abort from another thread
     (a peer's failure, a deadline) does not wait for it: within about a second it aborts the
-    communicator under the call, which then fails, instead of both threads hanging."""
+    communicator under the call, which then fails, instead of both threads hanging; other
+    Python threads run meanwhile."""
     result = _run(fake, """
         import threading
         g = group(timeout=30.0)
@@ -604,18 +605,30 @@ def test_an_abort_ends_a_call_waiting_inside_nccl(fake):
         issuer = threading.Thread(target=issue)
         issuer.start()
         time.sleep(0.3)                          # the issuer now waits inside the fake NCCL
+        ticks, aborting = [0], [True]
+        def tick():                              # another Python thread, during the abort
+            while aborting[0]:
+                time.sleep(0.01)
+                ticks[0] += 1
+        ticker = threading.Thread(target=tick)
+        ticker.start()
         started = time.monotonic()
         g.abort("the test gave up on purpose")
         abort_s = time.monotonic() - started
+        ticks_during_abort, aborting[0] = ticks[0], False
+        ticker.join(10)
         issuer.join(10)
         fake.fake_set_calls_block(0)
         print(json.dumps({"abort_s": abort_s, "issuer_done": not issuer.is_alive(),
-                          "error": outcome.get("error"), "aborts": fake.fake_aborts()}))
+                          "error": outcome.get("error"), "aborts": fake.fake_aborts(),
+                          "ticks_during_abort": ticks_during_abort}))
         if not issuer.is_alive():
             g.close()
     """)
     assert result["issuer_done"], result
     assert result["abort_s"] < 3.0, result
+    # The abort lets go of the GIL while it waits (it froze every other thread for 1 s).
+    assert result["ticks_during_abort"] >= 10, result
     assert result["aborts"] == 1, result
     assert result["error"] is not None, result
     assert "the test gave up on purpose" in result["error"][1], result
