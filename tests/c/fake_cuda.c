@@ -62,6 +62,19 @@ void *fake_waited_stream(int back)
 }
 
 /* ---- CUDA runtime ---- */
+/* Frees what a create or alloc call made. */
+static int release(void *p)
+{
+    NEEDS_DEVICE();
+    free(p);
+    return 0;
+}
+/* Puts stream first in a ring of the last RECORDS streams. */
+static void remember(void *ring[RECORDS], void *stream)
+{
+    memmove(ring + 1, ring, (RECORDS - 1) * sizeof ring[0]);
+    ring[0] = stream;
+}
 int cudaGetDeviceCount(int *n) { *n = 1; return 0; }
 int cudaGetDevice(int *d) { *d = 0; return 0; }
 int cudaSetDevice(int d)
@@ -78,12 +91,7 @@ int cudaStreamCreateWithPriority(void **s, unsigned flags, int priority)
     *s = malloc(1);
     return *s ? 0 : 2;
 }
-int cudaStreamDestroy(void *s)
-{
-    NEEDS_DEVICE();
-    free(s);
-    return 0;
-}
+int cudaStreamDestroy(void *s) { return release(s); }
 int cudaEventCreateWithFlags(void **e, unsigned flags)
 {
     (void)flags;
@@ -95,8 +103,7 @@ int cudaEventRecord(void *e, void *stream)
 {
     NEEDS_DEVICE();
     ((event *)e)->held = hang;
-    memmove(recorded_on + 1, recorded_on, (RECORDS - 1) * sizeof recorded_on[0]);
-    recorded_on[0] = stream;
+    remember(recorded_on, stream);
     return 0;
 }
 int cudaEventQuery(void *e)
@@ -110,16 +117,10 @@ int cudaStreamWaitEvent(void *s, void *e, unsigned flags)
     (void)e, (void)flags;
     NEEDS_DEVICE();
     calls_stream_wait++;
-    memmove(waited_on + 1, waited_on, (RECORDS - 1) * sizeof waited_on[0]);
-    waited_on[0] = s;
+    remember(waited_on, s);
     return 0;
 }
-int cudaEventDestroy(void *e)
-{
-    NEEDS_DEVICE();
-    free(e);
-    return 0;
-}
+int cudaEventDestroy(void *e) { return release(e); }
 const char *cudaGetErrorString(int e) { return e ? "fake CUDA error" : "no error"; }
 int cudaMalloc(void **p, size_t bytes)
 {
@@ -127,12 +128,7 @@ int cudaMalloc(void **p, size_t bytes)
     *p = calloc(1, bytes ? bytes : 1);
     return *p ? 0 : 2;
 }
-int cudaFree(void *p)
-{
-    NEEDS_DEVICE();
-    free(p);
-    return 0;
-}
+int cudaFree(void *p) { return release(p); }
 int cudaHostAlloc(void **p, size_t bytes, unsigned flags)
 {
     (void)flags;
@@ -140,12 +136,7 @@ int cudaHostAlloc(void **p, size_t bytes, unsigned flags)
     *p = calloc(1, bytes ? bytes : 1);
     return *p ? 0 : 2;
 }
-int cudaFreeHost(void *p)
-{
-    NEEDS_DEVICE();
-    free(p);
-    return 0;
-}
+int cudaFreeHost(void *p) { return release(p); }
 int cudaMemcpyAsync(void *dst, const void *src, size_t bytes, int kind, void *stream)
 {
     (void)kind, (void)stream;
