@@ -49,7 +49,9 @@ class State:
     def __init__(self, modules, unit, mp_policy, reshard_after_forward):
         self.modules = modules                 # fully_shard([a, b]) makes one unit of several
         self.module = modules[0]
-        self.forwarded = 0                     # of self.modules, this forward
+        # Of self.modules, those whose forward has not run yet in this forward of the group:
+        # see [Note: a unit of several modules].
+        self.modules_to_run = set()
         self.unit = unit                       # None when the module manages no parameters
         self.mp_policy = mp_policy
         self.reshard_after_forward = reshard_after_forward   # None: decided at lazy init
@@ -159,6 +161,9 @@ class State:
             self.root_forward_check()
         self.lazy_init()
         root = self.root
+        starts_pass = not self.modules_to_run
+        if starts_pass:
+            self.modules_to_run.update(self.modules)
         if root is self:
             root.post_forward_order = []
             if root.rings_stale:
@@ -184,6 +189,8 @@ class State:
             self.hooks_in_backward = self._has_backward_hooks()
             if self.hooks_in_backward or self.unit.has_frozen_params():
                 self._hook_inputs(args, kwargs)
+            if starts_pass and len(self.modules) > 1:
+                self._hook_pass_inputs(args, kwargs)
         return args, kwargs
 
     # [Note: module backward hooks]
@@ -240,6 +247,20 @@ class State:
             self.reshard_deferred = False
             self.unit.reshard()
 
+    def _hook_pass_inputs(self, args, kwargs):
+        """A unit of several modules: its post-backward also runs once the gradients of the
+        inputs of the pass's first module are complete, as torch's fully_shard runs it (see
+        [Note: a unit of several modules])."""
+        tensors = [t for t in tree_flatten((args, kwargs))[0]
+                   if isinstance(t, torch.Tensor) and t.requires_grad]
+        if tensors:
+            register_multi_grad_hook(tensors, self._pass_done, mode="all")
+
+    @hook
+    def _pass_done(self, _grads):
+        if self.unit.has_unsharded_grads():
+            self._post_backward(self.unit, reshard=False)
+
     def _next_in_forward(self):
         if self.forward_prefetch is not None:
             return self.forward_prefetch
@@ -247,13 +268,54 @@ class State:
         index = order.index(self)
         return order[index + 1:index + 2] if index + 1 < len(order) else []
 
+    # [Note: a unit of several modules]
+    # fully_shard([a, b]) makes one unit of several modules, and a forward need not run all of
+    # them: torchtitan's chunked loss runs the model up to its final norm (the unit
+    # [norm, lm_head]), then calls lm_head on each chunk of the detached hidden states, each
+    # with a backward of its own, then backpropagates through the norm.  As torch's
+    # fully_shard does, the group's post-forward (reshard, and the hook that makes the first
+    # gradient run pre-backward) runs once every module of the group has run forward; a
+    # module's forward on its own (a chunk through lm_head) only casts its output.  A group
+    # whose forward did not complete by the end of the root's forward is completed there,
+    # and its pre-backward hook is put on the root's output: the backward through the
+    # model's forward gathers the unit again before autograd reads the parameters the norm
+    # saved, whatever the loss did to the unit meanwhile (an explicit reshard() frees their
+    # storage: see [Note: freed unsharded storage] in _unit.py).  The end of backward starts
+    # every group afresh.
+    #
+    # A chunk's backward completes only some of the unit's gradients (the head's, not the
+    # norm's), so the unit's last gradient never marks it complete there.  As under torch's
+    # fully_shard, whose post-backward follows the inputs of a forward pass, the first module
+    # of each pass of such a unit hooks its inputs, and once their gradients are complete the
+    # unit's post-backward runs on the gradients it has: without gradient sync it moves them
+    # into their reduce-dtype accumulators (a bf16 head's chunks then add up in fp32, as
+    # torch's do), with it it reduces them.  It leaves the reshard to the unit's last
+    # gradient or the end of backward: another pass of the unit in the same graph (the model's
+    # norm, below a head called on its output) may still read the parameters.  A unit reduced
+    # twice in one backward (the head's gradients by the last chunk, the norm's later)
+    # finishes the first reduction before starting the second.
+
     @hook
     def _post_forward(self, module, args, output):
+        if module not in self.modules_to_run:
+            return self._cast_output(output)        # a module of the group on its own again
+        self.modules_to_run.discard(module)
+        if self.modules_to_run:
+            return self._cast_output(output)        # the rest of the group is still to run
+        output = self._finish_forward(output)
         root = self.root
-        self.forwarded += 1
-        if self.forwarded < len(self.modules):
-            return self._cast_output(output)
-        self.forwarded = 0
+        if root is self:
+            # See [Note: a unit of several modules]; innermost first, as torch casts them.
+            for state in reversed(root.states):
+                if state is not self and state.modules_to_run:
+                    state.modules_to_run.clear()
+                    output = state._finish_forward(output)
+        return output
+
+    def _finish_forward(self, output):
+        """The group's post-forward: reshard (as reshard_after_forward says), cast the output
+        and hook it so that the first gradient reaching it runs pre-backward."""
+        root = self.root
         root.post_forward_order.append(self)
         if self.unit is not None and self.reshard_after_forward and not root.in_backward:
             if self.unit.post_forward_group is not None:
@@ -349,7 +411,7 @@ class State:
     # test_fsdp.py's test_memory_at_the_reduction 3.0 unsharded sizes of rise with the input
     # staged, 1.5 now.
 
-    def _post_backward(self, unit):
+    def _post_backward(self, unit, reshard=True):
         if self.hooks_in_backward and self.inputs_pending:
             self.post_backward_deferred = True  # see [Note: module backward hooks]
             return
@@ -359,17 +421,19 @@ class State:
             return   # reduced at the end of backward, with the others' order
         # Resharded before the prefetch and the reduction, as torch's fully_shard and FSDP1
         # do: see [Note: memory at the reduction].
-        if self.reshard_after_backward:
+        if self.reshard_after_backward and reshard:
             if self.inputs_pending:
                 self.reshard_deferred = True   # see [Note: frozen parameters in backward]
             else:
                 unit.reshard()
-        if self.prefetch_after_backward:
+        if self.prefetch_after_backward and reshard:
             self._prefetch_backward()
         if self.requires_gradient_sync:
             # One reduction in flight besides this one: the older one's input (a unit's
             # gradients) is released now, not at the end of backward.
             root = self.root
+            if self in root.reducing:   # reduced before in this backward: a unit of several
+                root._finish(self)      # modules, see [Note: a unit of several modules]
             while len(root.reducing) > 1:
                 root._finish(root.reducing[0])
             unit.reduce(self.requires_all_reduce, self._shared_input)
@@ -392,6 +456,7 @@ class State:
                 state.unit.finish_reduce(state.requires_all_reduce)
             for state in self.states:
                 state.backward_started = False
+                state.modules_to_run.clear()      # see [Note: a unit of several modules]
                 state.inputs_pending, state.reshard_deferred = 0, False
                 state.post_backward_deferred = False
                 unit = state.unit
@@ -419,6 +484,7 @@ class State:
         self.post_forward_order = []
         for state in self.states:
             state.backward_started = False
+            state.modules_to_run.clear()
             state.inputs_pending, state.reshard_deferred = 0, False
             state.post_backward_deferred = False
             if state.unit is not None:

@@ -85,6 +85,9 @@ class _Param:
         self.hook = None                      # its post-accumulate-grad hook
         self.summoned = None                  # full parameter inside summon_full_params
         self.aliased = False                  # unsharded is a view of the shard buffer
+        # While unsharded's storage is freed, its version before: see [Note: freed unsharded
+        # storage].
+        self.freed_version = None
         self.accumulated = None               # see [Note: accumulating without sync]
 
     def rank_start(self, rank):
@@ -183,6 +186,7 @@ class _Param:
         self.unsharded = self.wrap_unsharded(self.padded[:self.extent], requires_grad)
         self.hook = None
         self.aliased = True
+        self.freed_version = None
 
     def _storage_tensors(self):
         if self.aliased:
@@ -197,10 +201,30 @@ class _Param:
             if storage.size() == 0:
                 storage.resize_(tensor.numel() * tensor.element_size())
 
+    def unmark(self):
+        """Once the gather into it is done: the unsharded parameter is no longer marked freed
+        (see [Note: freed unsharded storage])."""
+        if self.freed_version is None:
+            return
+        torch._C._autograd._unsafe_set_version_counter((self.unsharded,), (self.freed_version,))
+        self.freed_version = None
+        if type(self.unsharded) is FreedParameter:
+            self.unsharded.__class__ = nn.Parameter
+
     def free(self):
-        """Frees the unsharded storage (the module holds the sharded parameter again)."""
-        for tensor in self._storage_tensors():
+        """Frees the unsharded storage (the module holds the sharded parameter again) and
+        marks the unsharded parameter freed (see [Note: freed unsharded storage])."""
+        tensors = self._storage_tensors()
+        for tensor in tensors:
             tensor.untyped_storage().resize_(0)
+        if not tensors or self.freed_version is not None:
+            return
+        unsharded = self.unsharded
+        self.freed_version = unsharded._version
+        torch._C._autograd._unsafe_set_version_counter((unsharded,),
+                                                      (self.freed_version + FREED_VERSION,))
+        if type(unsharded) is nn.Parameter:
+            unsharded.__class__ = FreedParameter
 
     def local_view(self, flat, offset=None):
         begin = self.offset if offset is None else offset
@@ -230,6 +254,83 @@ class _Param:
 def local_data(param):
     """What a unit shards of param: param itself, or a DTensor's local tensor."""
     return param._local_tensor if isinstance(param, DTensor) else param
+
+
+# [Note: freed unsharded storage]
+# The rule, for every place dptc gives memory back: memory that a tensor visible to Python or
+# saved by autograd may still point at is never freed, unmapped or reused under it; where it
+# must go while such a tensor lives, the tensor fails loudly on use, naming the cause, and
+# never reads freed memory.  notes/MEMORY.md lists every such place and how it follows this.
+#
+# Resharding a unit frees its unsharded parameters' storage in place, as torch's fully_shard
+# does (see [Note: sharded layout]): the parameter objects live on, in the tensors autograd
+# saved in forward and in any reference a script took while the unit was unsharded, and the
+# next gather fills the same storage again.  A torch kernel that reads such a tensor while
+# its storage is freed reads a null pointer (a segfault, under torch's fully_shard too).
+# Backward never does when the unit's pre-backward gathers it first, which every forward of
+# the unit arranges (see [Note: a unit of several modules] in _state.py); for whatever else
+# could, a freed parameter is marked until its next gather:
+# - its version counter (shared with its views) moves FREED_VERSION ahead, so autograd
+#   refuses to unpack anything saved from it: "modified by an inplace operation ... is at
+#   version 1073741824 (or more); expected version N" instead of a segfault.  Once the next
+#   gather is done (wait_unshard) the counter is set back, so a backward after it sees the
+#   version it saved (torch's fully_shard keeps its gathers out of the counter alike);
+# - its class becomes FreedParameter, whose __torch_function__ lets metadata through (shape,
+#   dtype, .grad, hooks, its storage) and raises RuntimeError naming the cause for anything
+#   that would read the values.  A tensor-parallel parameter (a DTensor) keeps its class and
+#   is guarded by its version only.
+# A parameter viewing the shard buffer ([Note: a shard group of one]) frees nothing and is not
+# marked.
+
+FREED_VERSION = 1 << 30
+
+
+def _metadata_functions():
+    """The Tensor functions a FreedParameter lets through: they read no values."""
+    names = ("grad", "requires_grad", "_version", "shape", "dtype", "device", "is_leaf",
+             "grad_fn", "layout", "is_meta", "is_cuda", "is_cpu", "_base", "ndim",
+             "is_sparse", "_grad_fn", "names", "itemsize", "nbytes")
+    functions = set()
+    for name in names:
+        attribute = getattr(torch.Tensor, name, None)
+        for accessor in ("__get__", "__set__", "__delete__"):
+            function = getattr(attribute, accessor, None)
+            if function is not None:
+                functions.add(function)
+    for name in ("size", "dim", "numel", "stride", "storage_offset", "untyped_storage",
+                 "element_size", "is_contiguous", "data_ptr", "requires_grad_",
+                 "register_hook", "register_post_accumulate_grad_hook", "__hash__",
+                 "get_device", "is_floating_point", "is_complex", "_is_view", "nelement"):
+        function = getattr(torch.Tensor, name, None)
+        if function is not None:
+            functions.add(function)
+    return functions
+
+
+_METADATA = _metadata_functions()
+
+
+class FreedParameter(nn.Parameter):
+    """The class of an unsharded parameter while its unit is resharded and its storage freed:
+    see [Note: freed unsharded storage]."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        if func is torch.Tensor.__repr__:
+            tensor = args[0]
+            return (f"FreedParameter(shape={tuple(tensor.shape)}, dtype={tensor.dtype}: "
+                    f"freed when its fully_shard unit resharded)")
+        name = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
+        raise RuntimeError(
+            f"{name} read an unsharded parameter of a fully_shard unit whose storage was "
+            f"freed when the unit resharded (after forward, after backward, or by reshard()); "
+            f"its values are gone until the unit gathers again.  Take the parameter from the "
+            f"module again after the unit's next forward or unshard(), or use the sharded "
+            f"DTensor the module holds while the unit is resharded")
 
 
 def _like_shard(local, shard):
@@ -320,7 +421,9 @@ class ReduceRing:
         index = self.next
         self.next ^= 1
         previous = self.owners[index]
-        if previous is not None and previous is not owner:
+        if previous is not None:
+            # Its own earlier reduction too (a unit of several modules reduces twice in one
+            # backward): nothing may still read the buffer when it is laid out again.
             finish(previous)
         self.owners[index] = owner
         return self.buffers[index]
@@ -481,7 +584,7 @@ class Unit:
     def _make_unsharded(self, bucket, p, requires_grad, on_meta=False):
         """p's unsharded parameter and the storage the gather writes, in the compute dtype."""
         kind = dict(dtype=bucket.compute_dtype, device=self.device)
-        p.writer, p.hook, p.aliased = None, None, False
+        p.writer, p.hook, p.aliased, p.freed_version = None, None, False, None
         if self._aliases(bucket, p) and not on_meta:
             p.alias_shard(bucket.flat, requires_grad)
         elif p.dim == 0:
@@ -735,6 +838,7 @@ class Unit:
                 for p in bucket.gathered:
                     p.assemble()
             for p in bucket.params:
+                p.unmark()
                 p.unsharded.requires_grad_(p.sharded.requires_grad)
                 self._hook(p)
                 p.register(p.unsharded)
