@@ -25,8 +25,8 @@ VARIANTS = {
     "bf16": (True, False, 2),
     "fp32_checkpointed": (False, True, 3),
 }
-# The same sums in the same order: measured bit-identical (0.0) in fp32; bf16 gathers and
-# computes the same, so its bound is the same.
+# The same sums in the same order: every variant measured bit-identical (0.0) to torch's,
+# losses and parameters, on both ranks (2026-12-07).
 TOLERANCE = 1e-6
 
 _launches = {}
