@@ -201,30 +201,11 @@ class _Param:
             if storage.size() == 0:
                 storage.resize_(tensor.numel() * tensor.element_size())
 
-    def unmark(self):
-        """Once the gather into it is done: the unsharded parameter is no longer marked freed
-        (see [Note: freed unsharded storage])."""
-        if self.freed_version is None:
-            return
-        torch._C._autograd._unsafe_set_version_counter((self.unsharded,), (self.freed_version,))
-        self.freed_version = None
-        if type(self.unsharded) is FreedParameter:
-            self.unsharded.__class__ = nn.Parameter
-
     def free(self):
-        """Frees the unsharded storage (the module holds the sharded parameter again) and
-        marks the unsharded parameter freed (see [Note: freed unsharded storage])."""
-        tensors = self._storage_tensors()
-        for tensor in tensors:
+        """Frees the unsharded storage (the module holds the sharded parameter again); the
+        caller marks the parameter freed (_mark_freed)."""
+        for tensor in self._storage_tensors():
             tensor.untyped_storage().resize_(0)
-        if not tensors or self.freed_version is not None:
-            return
-        unsharded = self.unsharded
-        self.freed_version = unsharded._version
-        torch._C._autograd._unsafe_set_version_counter((unsharded,),
-                                                      (self.freed_version + FREED_VERSION,))
-        if type(unsharded) is nn.Parameter:
-            unsharded.__class__ = FreedParameter
 
     def local_view(self, flat, offset=None):
         begin = self.offset if offset is None else offset
@@ -283,6 +264,44 @@ def local_data(param):
 # marked.
 
 FREED_VERSION = 1 << 30
+
+
+def _set_versions(tensors, versions):
+    """One call for all of a bucket's parameters (a call per parameter cost 1.5 us each)."""
+    if tensors:
+        torch._C._autograd._unsafe_set_version_counter(tensors, versions)
+
+
+def _free(params):
+    """Frees the parameters' unsharded storage and marks them freed (see [Note: freed
+    unsharded storage]); a parameter already marked, or viewing the shard buffer, is left
+    as it is."""
+    marked = []
+    for p in params:
+        p.free()
+        if p.freed_version is None and not p.aliased:
+            marked.append(p)
+    if not marked:
+        return
+    tensors = tuple(p.unsharded for p in marked)
+    versions = tuple(tensor._version for tensor in tensors)
+    _set_versions(tensors, tuple(version + FREED_VERSION for version in versions))
+    for p, version in zip(marked, versions):
+        p.freed_version = version
+        if type(p.unsharded) is nn.Parameter:
+            p.unsharded.__class__ = FreedParameter
+
+
+def _unmark(params):
+    """Once the gather into them is done: the parameters are no longer marked freed."""
+    marked = [p for p in params if p.freed_version is not None]
+    if not marked:
+        return
+    _set_versions(tuple(p.unsharded for p in marked), tuple(p.freed_version for p in marked))
+    for p in marked:
+        p.freed_version = None
+        if type(p.unsharded) is FreedParameter:
+            p.unsharded.__class__ = nn.Parameter
 
 
 def _metadata_functions():
@@ -578,7 +597,7 @@ class Unit:
                     local.copy_(p.narrow(local_data(orig).detach()))
             p.sharded = nn.Parameter(self._dtensor(local, p), requires_grad=orig.requires_grad)
             self._make_unsharded(bucket, p, orig.requires_grad, on_meta)
-            p.free()
+            _free([p])
             p.register(p.sharded)
 
     def _make_unsharded(self, bucket, p, requires_grad, on_meta=False):
@@ -781,7 +800,7 @@ class Unit:
                         alias.copy_(local)
                 p.sharded._local_tensor = alias
                 self._make_unsharded(bucket, p, p.sharded.requires_grad, alias.is_meta)
-                p.free()
+                _free([p])
                 p.register(p.sharded)
         self.set_label(self.label)
 
@@ -837,8 +856,8 @@ class Unit:
                 bucket.kept = None
                 for p in bucket.gathered:
                     p.assemble()
+            _unmark(bucket.params)
             for p in bucket.params:
-                p.unmark()
                 p.unsharded.requires_grad_(p.sharded.requires_grad)
                 self._hook(p)
                 p.register(p.unsharded)
@@ -848,8 +867,8 @@ class Unit:
         for bucket in self.buckets:
             bucket.c.reshard()
             bucket.kept = None
+            _free(bucket.params)
             for p in bucket.params:
-                p.free()
                 p.register(p.sharded)
 
     def reshard_to_smaller_group(self):
@@ -882,8 +901,8 @@ class Unit:
                                       kept[span * p.offset:span * (p.offset + p.piece)])
             bucket.c.reshard()
             bucket.kept = kept
+            _free(bucket.params)
             for p in bucket.params:
-                p.free()
                 p.register(p.sharded)
 
     def kept_bytes(self):
