@@ -388,9 +388,11 @@ class UnshardHandle:
         self._unit = unit
 
     def wait(self):
-        if self._unit is not None:
+        # A unit sharded again meanwhile had its gather consumed by a forward (or reshard()):
+        # nothing is left to wait for, as with torch's handle.
+        if self._unit is not None and self._unit.state != "sharded":
             self._unit.wait_unshard()
-            self._unit = None
+        self._unit = None
 
 
 def _states_of(modules, argname):

@@ -1,0 +1,439 @@
+"""Differential fuzzing across ranks: hypothesis drives long-lived rank servers that run each
+generated sequence of calls on two implementations side by side (torch's, the oracle, and
+dptc's) and report what each op returned or raised.
+
+Spawning ranks costs seconds, so the ranks are not started per example.  They are servers
+(`serve`, the rank side, run as an ordinary tests._rank target) that poll a directory for
+`seq_<k>.json` and answer with `result_<k>_rank<r>.json`; both files are written atomically
+(a `.partial` file, then os.replace).  The driver (`RankServers`, in the pytest process) hands
+them one example at a time and watches them:
+- a rank that dies (SIGSEGV, SIGABRT, any exit) fails the example: "dptc rank 0 died with
+  SIGSEGV ...", with the op it was in (from its progress file) and its stderr tail;
+- an example past its deadline is a hang: the ranks get SIGUSR1 (tests/_rank.py dumps every
+  thread's stack to stderr), then everything is killed and the message carries the tails;
+after either, the next example starts fresh ranks, so hypothesis can go on and shrink.
+
+Outcomes and comparison (`compare`): a rank result is {impl: [outcome per op]}; an outcome is
+{"ok": true, "value": ...} or {"ok": false, "error": "Type: message"}.  The two implementations
+agree when, op by op, both raised (any exception: the rank side stops an implementation at its
+first raise, so the rest of the sequence is not compared), or both returned values that match:
+numbers (or {name: flat list of numbers}) within a relative tolerance (tests/_compare.py's
+max_rel), anything else exactly.
+
+Hygiene is the harness's (tests/_launch.py): ranks are forked from the zygote with the
+environment torchrun would give them, every process is tracked and killed however the run
+ends, and /dev/shm/dptc* entries the servers leave behind are removed; after a clean stop a
+leftover is a failure, after a kill it is expected and only removed.
+
+`fuzz` runs a hypothesis search as a plain function call (so one test can run a fixed budget in
+CI and a longer search behind an environment variable) and returns its statistics.
+
+Reused by the FSDP fuzzer (tests/test_fuzz_fsdp.py, tests/workers_fuzz_fsdp.py); a DDP or FSDP1
+fuzzer brings its own rank-side `run_example(example, note)` and strategy.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import tempfile
+import time
+from pathlib import Path
+
+from tests import _launch
+from tests._compare import max_rel
+
+__all__ = ["serve", "RankServers", "compare", "fuzz", "budget_from_env"]
+
+POLL_S = 0.002
+START_TIMEOUT_S = 120.0
+STOP_TIMEOUT_S = 20.0
+STDERR_TAIL_CHARS = 3000
+PROGRESS_TAIL_LINES = 6
+
+
+def _atomic_write(path: Path, text: str):
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text)
+    os.replace(partial, path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rank side
+
+def serve(directory: str, run_example, warm_up=None) -> dict:
+    """The rank server's loop: runs `warm_up()` (group initialisation), writes
+    `ready_rank<r>`, then for k = 0, 1, ... waits for `seq_<k>.json`, calls
+    `run_example(example, note)` and writes its JSON-able return value to
+    `result_<k>_rank<r>.json`; returns {"examples": k} once `stop` exists.
+
+    `note(text)` appends a line to `progress_rank<r>.txt` (flushed at once), so that when the
+    rank dies or hangs the driver can tell which op it was in."""
+    rank = int(os.environ["RANK"])
+    where = Path(directory)
+    if warm_up is not None:
+        warm_up()
+    with open(where / f"progress_rank{rank}.txt", "a", buffering=1) as progress:
+        def note(text):
+            progress.write(text + "\n")
+
+        _atomic_write(where / f"ready_rank{rank}", "")
+        index = 0
+        while True:
+            sequence = where / f"seq_{index}.json"
+            if sequence.exists():
+                example = json.loads(sequence.read_text())
+                note(f"example {index}")
+                result = run_example(example, note)
+                _atomic_write(where / f"result_{index}_rank{rank}.json", json.dumps(result))
+                index += 1
+                continue
+            if (where / "stop").exists():
+                return {"examples": index}
+            time.sleep(POLL_S)
+
+
+# ---------------------------------------------------------------------------------------------
+# Driver side
+
+class RankServers:
+    """`world_size` rank servers running `target` (a "module:function" that calls `serve`
+    with the `directory` keyword it is given), started on first use and again after every
+    failure.
+
+    run(example) returns the ranks' results in rank order or raises AssertionError naming the
+    crash or the hang; close() stops the servers and returns the problems found at the stop
+    (a server that did not exit cleanly, shared memory left behind).  Use as a context manager:
+    every process it started is killed on the way out, whatever happened."""
+
+    def __init__(self, target: str, world_size: int = 2, *, example_timeout: float = 15.0,
+                 env: dict | None = None, label=None):
+        self.target = target
+        self.world_size = world_size
+        self.example_timeout = example_timeout
+        self.env = {"DPTC_TEST_REFERENCE": "1", **(env or {})}
+        # label(rank_progress_line) -> which implementation a rank was in, for messages.
+        self.label = label
+        self.starts = 0
+        self.start_seconds = 0.0
+        self._tree = None
+        self._dir = None
+        self._index = 0
+        self._shm_before = _launch._shm_entries()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._kill()
+
+    # -- process management -------------------------------------------------------------------
+
+    def _start(self):
+        began = time.monotonic()
+        self._dir = Path(tempfile.mkdtemp(prefix="fuzz-"))
+        self._tree = _launch._ProcessTree()
+        self._index = 0
+        port = _launch.free_port()
+        args = json.dumps({"directory": str(self._dir)})
+        for rank in range(self.world_size):
+            self._tree.start_python(
+                ["-m", "tests._rank", self.target, args, str(self._dir / f"exit_rank{rank}.json")],
+                _launch.rank_env(rank, self.world_size, master_port=port, env=self.env),
+                self._dir / f"stdout_rank{rank}.txt", self._dir / f"stderr_rank{rank}.txt")
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not all((self._dir / f"ready_rank{r}").exists() for r in range(self.world_size)):
+            dead = self._dead()
+            if dead or time.monotonic() > deadline:
+                report = self._report(dead or list(range(self.world_size)))
+                self._kill()
+                raise AssertionError(f"the fuzz rank servers ({self.target}) did not start:\n"
+                                     + report)
+            time.sleep(0.01)
+        self.starts += 1
+        self.start_seconds += time.monotonic() - began
+
+    def _dead(self) -> list:
+        return [rank for rank, proc in enumerate(self._tree.roots) if proc.poll() is not None]
+
+    def _kill(self) -> list:
+        """Kills every process and removes the run directory; returns the shm entries removed."""
+        leaked = []
+        if self._tree is not None:
+            self._tree.kill_all()
+            self._tree = None
+            leaked = _launch._remove_new_shm(self._shm_before)
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+        return leaked
+
+    def close(self) -> list:
+        """Stops the servers (if running): they finish, exit, and leave no shared memory.
+        Returns a list of problems (empty when all is well)."""
+        if self._tree is None:
+            return []
+        problems = []
+        _atomic_write(self._dir / "stop", "")
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        while len(self._dead()) < self.world_size and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for rank, proc in enumerate(self._tree.roots):
+            if proc.poll() != 0:
+                problems.append(f"fuzz rank server {rank} did not stop cleanly "
+                                f"({_launch._describe_exit(proc.poll())}):\n"
+                                + self._report([rank]))
+        leaked = self._kill()
+        if leaked:
+            problems.append("the fuzz rank servers left shared memory behind (now removed): "
+                            + ", ".join(leaked))
+        return problems
+
+    # -- one example -----------------------------------------------------------------------------
+
+    def _progress(self, rank) -> list:
+        try:
+            return (self._dir / f"progress_rank{rank}.txt").read_text().splitlines()
+        except FileNotFoundError:
+            return []
+
+    def _report(self, ranks) -> str:
+        lines = []
+        for rank in ranks:
+            proc = self._tree.roots[rank]
+            lines.append(f"--- rank {rank}: {_launch._describe_exit(proc.poll())}; last ops:")
+            lines.extend("    " + line for line in self._progress(rank)[-PROGRESS_TAIL_LINES:])
+            tail = _launch._tail(self._dir / f"stderr_rank{rank}.txt", STDERR_TAIL_CHARS).rstrip()
+            if tail:
+                lines.append("    stderr tail:")
+                lines.append(tail)
+        return "\n".join(lines)
+
+    def _where(self, rank) -> str:
+        """"dptc rank 0" / "torch rank 0": the implementation rank was running, when known."""
+        progress = self._progress(rank)
+        name = self.label(progress[-1]) if progress and self.label else None
+        return f"{name} rank {rank}" if name else f"rank {rank}"
+
+    def run(self, example: dict) -> list:
+        """The ranks' results for `example`, in rank order.  A rank that dies or an example
+        past example_timeout raises AssertionError; the servers are restarted for the next."""
+        if self._tree is None:
+            self._start()
+        index = self._index
+        self._index += 1
+        _atomic_write(self._dir / f"seq_{index}.json", json.dumps(example))
+        paths = [self._dir / f"result_{index}_rank{r}.json" for r in range(self.world_size)]
+        deadline = time.monotonic() + self.example_timeout
+        while True:
+            if all(path.exists() for path in paths):
+                return [json.loads(path.read_text()) for path in paths]
+            dead = self._dead()
+            if dead:
+                time.sleep(0.2)   # let a second rank's death, if any, show too
+                dead = self._dead()
+                what = "; ".join(f"{self._where(rank)} died with "
+                                 + _launch._describe_exit(self._tree.roots[rank].poll())
+                                     .replace("killed by ", "") for rank in dead)
+                report = self._report(range(self.world_size))
+                self._kill()
+                raise AssertionError(f"crash: {what}\n{report}")
+            if time.monotonic() > deadline:
+                stuck = [r for r, path in enumerate(paths) if not path.exists()]
+                what = ", ".join(self._where(rank) for rank in stuck)
+                self._tree.signal_roots(signal.SIGUSR1)
+                time.sleep(_launch.STACK_DUMP_WAIT_S)
+                report = self._report(range(self.world_size))
+                self._kill()
+                raise AssertionError(f"hang: {what} did not finish the example within "
+                                     f"{self.example_timeout} s (stacks dumped):\n{report}")
+            time.sleep(POLL_S)
+
+
+# ---------------------------------------------------------------------------------------------
+# Comparison
+
+def _numbers(value) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)) or (
+        isinstance(value, list) and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                        for v in value))
+
+
+def _differences(got, want, tolerance, where) -> list:
+    """Why `got` (the subject's value) does not match `want` (the reference's)."""
+    if isinstance(want, dict) and isinstance(got, dict):
+        if got.keys() != want.keys():
+            return [f"{where}: keys {sorted(got)} != {sorted(want)}"]
+        out = []
+        for key in want:
+            out += _differences(got[key], want[key], tolerance, f"{where}.{key}")
+        return out
+    if _numbers(want) and _numbers(got):
+        got_list = got if isinstance(got, list) else [got]
+        want_list = want if isinstance(want, list) else [want]
+        if len(got_list) != len(want_list):
+            return [f"{where}: {len(got_list)} values != {len(want_list)}"]
+        if any(not math.isfinite(v) for v in got_list + want_list):
+            same = all(a == b or (math.isnan(a) and math.isnan(b))
+                       for a, b in zip(got_list, want_list))
+            return [] if same else [f"{where}: {got} != {want} (non-finite)"]
+        rel = max_rel({"v": got_list}, {"v": want_list})
+        return [] if rel <= tolerance else [f"{where}: max relative difference {rel:.3g} > "
+                                            f"{tolerance:g}"]
+    return [] if got == want else [f"{where}: {_short(got)} != {_short(want)}"]
+
+
+def _short(value) -> str:
+    if isinstance(value, list) and len(value) > 4:
+        return f"[{len(value)} values: {', '.join(map(repr, value[:3]))}, ...]"
+    return repr(value)[:200]
+
+
+def compare(results: list, tolerance: float, reference: str = "torch",
+            subject: str = "dptc") -> list:
+    """The disagreements between `subject` and `reference` in the rank results, as lines;
+    empty when they agree (see the module docstring)."""
+    problems = []
+    for rank, result in enumerate(results):
+        mine, theirs = result[subject], result[reference]
+        for index in range(max(len(mine), len(theirs))):
+            a = mine[index] if index < len(mine) else None
+            b = theirs[index] if index < len(theirs) else None
+            where = f"rank {rank} op {index}" + (f" ({b.get('op') or a.get('op')})"
+                                                  if a and b else "")
+            if a is None or b is None:
+                problems.append(f"{where}: {subject} ran {len(mine)} ops, {reference} "
+                                f"{len(theirs)}")
+                break
+            if a["ok"] != b["ok"]:
+                problems.append(
+                    f"{where}: {subject} " + ("returned" if a["ok"] else f"raised {a['error']}")
+                    + f", {reference} " + ("returned" if b["ok"] else f"raised {b['error']}"))
+                break
+            if not a["ok"]:
+                break     # both raised: the rest is not compared
+            problems += _differences(a.get("value"), b.get("value"), tolerance, where)
+    # Both ranks must have taken the same path; a raise on one rank only is a divergence.
+    for impl in (reference, subject):
+        paths = {tuple(o["ok"] for o in result[impl]) for result in results}
+        if len(paths) > 1:
+            problems.append(f"{impl}: ranks disagree on which ops raised: "
+                            + "; ".join(f"rank {r}: {[o['ok'] for o in result[impl]]}"
+                                        for r, result in enumerate(results)))
+    return problems
+
+
+# ---------------------------------------------------------------------------------------------
+# The search
+
+def budget_from_env(default_examples: int, prefix: str = "DPTC_FUZZ"):
+    """(max examples, seconds or None) for one fuzz test: `<prefix>_EXAMPLES=N` or
+    `<prefix>_SECONDS=S` for a longer run (rounds of fresh seeds until S seconds passed), else
+    the CI default."""
+    seconds = os.environ.get(f"{prefix}_SECONDS")
+    examples = os.environ.get(f"{prefix}_EXAMPLES")
+    return (int(examples) if examples else default_examples,
+            float(seconds) if seconds else None)
+
+
+def _kind(error) -> str:
+    """What a finding is, for the deletion pass: "crash", "hang" or its first line."""
+    first = str(error).split("\n", 1)[0]
+    return first.split(":", 1)[0] if first.startswith(("crash:", "hang:")) else first[:40]
+
+
+def _delete_ops(case, check, kind):
+    """Hypothesis's shrinker is not exhaustive; this deletes ops of case["ops"] one at a time
+    while the same kind of finding remains.  Returns (a 1-minimal case: no single op can go,
+    its error)."""
+    error = None
+    changed = True
+    while changed:
+        changed = False
+        for index in range(len(case["ops"])):
+            candidate = {**case, "ops": case["ops"][:index] + case["ops"][index + 1:]}
+            try:
+                check(candidate)
+            except AssertionError as found:
+                if _kind(found) == kind:
+                    case, error, changed = candidate, found, True
+                    break
+    return case, error
+
+
+def fuzz(strategy, check, *, max_examples: int, seconds: float | None = None, seed: int = 0,
+         explicit=(), log=print) -> dict:
+    """Runs hypothesis over `strategy` with `check(example)` (raises AssertionError on a
+    finding), as one plain call.  DPTC_FUZZ_VERBOSE=1 logs every example and its verdict.
+
+    The explicit examples run first (each once, outside hypothesis: a finding there is
+    recorded and the search still runs), then one round of max_examples generated examples
+    from the fixed `seed` (reproducible in CI).  With `seconds`, rounds with seeds seed,
+    seed + 1, ... go on until that much time has passed, and every round's finding is
+    collected instead of stopping at the first.  Returns {"examples": calls of check,
+    shrinking included, "rounds": n, "failures": [messages], "seconds": s}; the caller
+    asserts on it.  A finding's message carries hypothesis's shrunk case and, for a case
+    with a list "ops", first a 1-minimal one: deleting any single op from it makes the
+    finding go away (`_delete_ops`)."""
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import seed as seed_decorator
+
+    stats = {"examples": 0, "rounds": 0, "failures": []}
+
+    verbose = os.environ.get("DPTC_FUZZ_VERBOSE") == "1"
+
+    def counted(case):
+        stats["examples"] += 1
+        try:
+            check(case)
+        except AssertionError as error:
+            stats["last_failing"] = case
+            if verbose:
+                log(f"fuzz example {stats['examples']}: FAIL {json.dumps(case)}\n    "
+                    + str(error).splitlines()[0][:300])
+            raise
+        if verbose:
+            log(f"fuzz example {stats['examples']}: pass {json.dumps(case)}")
+
+    began = time.monotonic()
+    for number, case in enumerate(explicit):
+        try:
+            counted(case)
+        except AssertionError as error:
+            stats["failures"].append(f"explicit example {number}: {error}\n{case!r}")
+    round_seed = seed
+    while True:
+        def body(case):
+            counted(case)
+        test = settings(max_examples=max_examples, deadline=None, database=None,
+                        derandomize=False, report_multiple_bugs=False, print_blob=False,
+                        phases=(Phase.generate, Phase.shrink),
+                        suppress_health_check=list(HealthCheck))(given(strategy)(body))
+        test = seed_decorator(round_seed)(test)
+        stats["rounds"] += 1
+        try:
+            test()
+        except AssertionError as error:   # the shrunk finding, falsifying example in notes
+            notes = "\n".join(getattr(error, "__notes__", []))
+            message = f"{error}\n{notes}".strip()
+            shrunk = stats.get("last_failing")   # hypothesis replays its minimal case last
+            if isinstance(shrunk, dict) and isinstance(shrunk.get("ops"), list):
+                smaller, smaller_error = _delete_ops(shrunk, counted, _kind(error))
+                if smaller_error is None:
+                    smaller, smaller_error = shrunk, error
+                message = (f"minimal sequence (no single op can be deleted):\n"
+                           f"{json.dumps(smaller)}\n{smaller_error}\n(hypothesis shrank it "
+                           f"to {json.dumps(shrunk)})")
+            stats["failures"].append(message)
+            if seconds is None:
+                break
+            log(f"fuzz round {stats['rounds']} (seed {round_seed}): finding after "
+                f"{stats['examples']} examples so far:\n{stats['failures'][-1][:3000]}")
+        if seconds is None or time.monotonic() - began >= seconds:
+            break
+        round_seed += 1
+    stats["seconds"] = time.monotonic() - began
+    return stats
