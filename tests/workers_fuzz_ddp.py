@@ -1,0 +1,292 @@
+"""Rank side of tests/test_fuzz_ddp.py: a rank server (tests/_fuzz.py) that runs each fuzzed
+sequence of public DistributedDataParallel calls on torch's DDP (on gloo, the oracle) and on
+dptc's, side by side in this process, and reports what every op returned or raised.
+
+An example is {"config": {...}, "ops": [{"op": name, ...}, ...]} (see tests/test_fuzz_ddp.py
+for the strategy).  For each implementation, torch's first, the rank:
+- builds the model from config["seed"] (plus the rank with config["rank_init"]: every rank
+  starts from other parameters and DDP's constructor broadcasts rank 0's): a Linear `trunk`,
+  optionally a BatchNorm1d `norm` (a buffer DDP broadcasts), a residual Linear `mid`, a Linear
+  `head` and a Linear `branch` added to the output only when an op says so (an unused
+  parameter otherwise), in config["dtype"];
+- wraps it (find_unused_parameters, static_graph, gradient_as_bucket_view, bucket_cap_mb,
+  broadcast_buffers from the config) and makes the optimizer (SGD with momentum or AdamW):
+  the op "setup";
+- runs the ops in order, stopping at the first that raises.
+Each op's outcome is {"op": name, "ok": true, "value": ...} or {"op": name, "ok": false,
+"error": "Type: message"}: a backward's value is {"loss": float, "grads": {name: flat list or
+None}} (the gradients every parameter holds after it: reduced, or this rank's own under
+no_sync); parameters, buffers and state dicts as {name: flat list}.  The sequence ends with
+the op "final", which reads every parameter, buffer and gradient.  Data comes from each op's
+seed and this rank (every rank draws different rows).
+
+Where the driver found an op that torch's DDP cannot run (example["torch_stop"], an index
+into the ops; see tests/test_fuzz_ddp.py's torch_stop), torch's sequence stops before it
+and dptc's runs whole.
+
+An op's "branch" says which ranks use the branch: "no", "yes" (every rank) or "rank0" (rank 0
+only: a parameter unused on some ranks).  The op "join" runs `steps` train steps inside
+ddp.join() on rank 0 and one fewer on rank 1 (uneven inputs), each optionally followed by an
+optimizer step.
+
+After dptc raised (past "setup"), its model goes on with the rest of the sequence, compared
+no more: a raise in any call must leave a process that can go on without crashing or
+hanging.
+"""
+
+import gc
+import json
+import traceback
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tests import _fuzz
+
+__all__ = ["serve", "run_example", "IMPLS"]
+
+IMPLS = ("torch", "dptc")
+IN = 5
+HIDDEN = 8
+OUT = 4
+BATCH = 3
+
+
+class Net(nn.Module):
+    def __init__(self, batch_norm):
+        super().__init__()
+        self.trunk = nn.Linear(IN, HIDDEN)
+        self.norm = nn.BatchNorm1d(HIDDEN) if batch_norm else nn.Identity()
+        self.mid = nn.Linear(HIDDEN, HIDDEN)
+        self.head = nn.Linear(HIDDEN, OUT)
+        self.branch = nn.Linear(HIDDEN, OUT)
+
+    def forward(self, x, branch=False):
+        h = torch.tanh(self.norm(self.trunk(x)))
+        h = h + torch.tanh(self.mid(h))
+        out = self.head(h)
+        return out + self.branch(h) if branch else out
+
+
+def _ddp_class(impl):
+    if impl == "dptc":
+        import dptc
+        return dptc.DistributedDataParallel
+    return torch.nn.parallel.DistributedDataParallel
+
+
+def _build(config, rank):
+    torch.manual_seed(config["seed"] + (100 * rank if config["rank_init"] else 0))
+    return Net(config["batch_norm"]).to(getattr(torch, config["dtype"]))
+
+
+def _wrap(model, impl, config):
+    ddp = _ddp_class(impl)(model, find_unused_parameters=config["find_unused"],
+                           static_graph=config["static_graph"],
+                           gradient_as_bucket_view=config["bucket_view"],
+                           bucket_cap_mb=config["bucket_cap_mb"],
+                           broadcast_buffers=config["broadcast_buffers"])
+    if config["optim"] == "sgd":
+        return ddp, torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    return ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+
+
+def _data(seed, rank, config):
+    generator = torch.Generator().manual_seed(1000 * seed + rank)
+    x = torch.randn(BATCH, IN, generator=generator, dtype=torch.float64)
+    y = torch.randint(0, OUT, (BATCH,), generator=generator)
+    return x.to(getattr(torch, config["dtype"])), y
+
+
+def _uses_branch(op, rank):
+    return op["branch"] == "yes" or (op["branch"] == "rank0" and rank == 0)
+
+
+def _flat(tensor):
+    return tensor.detach().double().flatten().tolist()
+
+
+def _grads(model):
+    return {name: None if p.grad is None else _flat(p.grad)
+            for name, p in model.named_parameters()}
+
+
+def _forward_loss(model, op, rank, config):
+    x, y = _data(op["seed"], rank, config)
+    return F.cross_entropy(model(x, branch=_uses_branch(op, rank)).float(), y)
+
+
+def _step(model, op, rank, config):
+    loss = _forward_loss(model, op, rank, config)
+    loss.backward()
+    return {"loss": loss.item(), "grads": _grads(model)}
+
+
+def _apply(op, model, optimizer, rank, config, held):
+    """Runs one op; returns its JSON-able value.  `held` keeps what an op leaves for later
+    ones: "losses" (forwards whose backward is still to come), "states" (state dicts)."""
+    name = op["op"]
+    if name == "train_step":
+        return _step(model, op, rank, config)
+    if name == "no_sync_step":
+        with model.no_sync():
+            return _step(model, op, rank, config)
+    if name == "set_sync":
+        model.require_backward_grad_sync = op["value"]
+        return None
+    if name == "forward":
+        if op["mode"] == "no_grad":
+            with torch.no_grad():
+                return _forward_loss(model, op, rank, config).item()
+        loss = _forward_loss(model, op, rank, config)
+        if op["mode"] == "keep":       # its backward is a later op's, if any
+            held["losses"].append(loss)
+        return loss.item()             # "drop": the graph is dropped without a backward
+    if name == "backward":
+        if not held["losses"]:         # the latest kept forward's; nothing without one
+            return None
+        loss = held["losses"].pop()
+        loss.backward()
+        return {"loss": loss.item(), "grads": _grads(model)}
+    if name == "join":
+        losses = []
+        with model.join(divide_by_initial_world_size=op["divide"]):
+            for i in range(op["steps"] - rank):    # rank 1 runs out of inputs first
+                step = {**op, "seed": op["seed"] + i}
+                loss = _forward_loss(model, step, rank, config)
+                loss.backward()
+                losses.append(loss.item())
+                if op["optim"]:
+                    optimizer.step()
+                    optimizer.zero_grad()
+        return {"losses": losses, "grads": _grads(model)}
+    if name == "state_dict":
+        state = {key: value.detach().clone() for key, value in model.state_dict().items()}
+        held["states"].append(state)
+        return {key: _flat(value) for key, value in state.items()}
+    if name == "load_state_dict":
+        if not held["states"]:         # nothing taken yet: nothing to load
+            return None
+        incompatible = model.load_state_dict(held["states"][op["which"] % len(held["states"])])
+        return {"missing": sorted(incompatible.missing_keys),
+                "unexpected": sorted(incompatible.unexpected_keys)}
+    if name == "zero_grad":
+        optimizer.zero_grad(set_to_none=op["set_to_none"])
+        return None
+    if name == "optim_step":
+        optimizer.step()
+        return None
+    raise ValueError(f"unknown op {name!r}")
+
+
+def _final(model):
+    out = {f"p.{name}": _flat(p) for name, p in model.named_parameters()}
+    out.update({f"b.{name}": _flat(b) for name, b in model.named_buffers()})
+    out.update({f"g.{name}": grad for name, grad in _grads(model).items()})
+    return out
+
+
+def _error(error) -> str:
+    return f"{type(error).__name__}: {str(error)[:500]}"
+
+
+def _after_raise(steps, model, optimizer, rank, config, held, note):
+    """dptc's model goes on with the rest of the sequence after a raise: nothing is
+    compared any more (torch's stopped), but it must not crash or hang.  Returns the ops'
+    errors (None where an op returned)."""
+    errors = []
+    for op in steps:
+        note(f"dptc after raise {json.dumps(op)}")
+        try:
+            if op["op"] == "final":
+                _final(model)
+            else:
+                _apply(op, model, optimizer, rank, config, held)
+            errors.append(None)
+        except Exception as error:  # noqa: BLE001 - any raise is fine here
+            errors.append(_error(error))
+    return errors
+
+
+def run_example(example, note):
+    """{impl: [outcome per op]} for this rank (see the module docstring)."""
+    import torch.distributed as dist
+    rank = dist.get_rank()
+    config, ops = example["config"], example["ops"]
+    result = {}
+    for impl in IMPLS:
+        outcomes = result[impl] = []
+        model = optimizer = None
+        held = {"losses": [], "states": []}
+        steps = [{"op": "setup"}] + list(ops) + [{"op": "final"}]
+        if impl == "torch" and "torch_stop" in example:
+            steps = steps[:example["torch_stop"] + 1]
+        for index, op in enumerate(steps):
+            note(f"{impl} op {index} {json.dumps(op)}")
+            try:
+                if op["op"] == "setup":
+                    model, optimizer = _wrap(_build(config, rank), impl, config)
+                    value = None
+                elif op["op"] == "final":
+                    value = _final(model)
+                else:
+                    value = _apply(op, model, optimizer, rank, config, held)
+                outcomes.append({"op": op["op"], "ok": True, "value": value})
+            except Exception as error:  # noqa: BLE001 - every raise is an outcome to compare
+                note(f"{impl} op {index} raised {_error(error)}")
+                outcomes.append({"op": op["op"], "ok": False, "error": _error(error),
+                                 "traceback": traceback.format_exc()[-2000:]})
+                if impl == "dptc" and op["op"] != "setup":
+                    result["dptc_after_raise"] = _after_raise(steps[index + 1:], model,
+                                                              optimizer, rank, config, held,
+                                                              note)
+                break
+        note(f"{impl} done")
+        del model, optimizer, held
+        gc.collect()
+    if _renew_failed_dptc_groups():
+        result["dptc_group_renewed"] = True
+    return result
+
+
+def _renew_failed_dptc_groups() -> bool:
+    """dptc aborts its group on purpose where ranks could otherwise fall out of step (DDP's
+    unused-parameter error, for one: "The process group has been aborted so that every rank
+    raises"), and an aborted group raises PeerLostError from then on.  torch's gloo group
+    stays usable, so the next example would fail at dptc's setup for a reason of this one's.
+    Where a dptc group failed on any rank (agreed over torch's gloo group, so that every rank
+    decides alike), dptc's groups are destroyed and the default one made again; returns
+    whether they were."""
+    import dptc
+    import torch.distributed as dist
+    from dptc import group as dptc_group
+    failed = any(pg._c.failure() is not None for pg in list(dptc_group._groups)
+                 if not pg._c.closed)
+    flag = torch.tensor([int(failed)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if not flag.item():
+        return False
+    dptc.destroy_process_group()
+    dptc.init_process_group()
+    return True
+
+
+def _warm_up():
+    """torch's default group on gloo (dptc builds its own on it) and dptc's, before ready."""
+    from tests._rank import load_impl
+    load_impl("torch")
+    import dptc
+    dptc.init_process_group()
+
+
+def serve(directory):
+    """The rank server (tests/_fuzz.py's serve) for this module's examples.  It returns
+    through tests._rank's reference mode (RankServers sets DPTC_TEST_REFERENCE=1): the exit
+    record written, the process leaves with os._exit without freeing torch's groups (see
+    [Note: torch references at teardown] in tests/_rank.py: a torch DDP's Reducer freed last
+    can deadlock its gloo group's destructor)."""
+    stats = _fuzz.serve(directory, run_example, warm_up=_warm_up)
+    import dptc
+    dptc.destroy_process_group()
+    return stats
