@@ -37,9 +37,9 @@ development machine (2 cores, when nothing else runs).  Longer searches:
 DPTC_FUZZ_SEED (default 0), +1, ... until the time is up, collecting every round's finding
 instead of stopping at the first).  DPTC_FUZZ_SKIP=name,name leaves ops out of the
 vocabulary ("mp" never draws mixed precision), or passes the examples of a KNOWN_FINDINGS
-entry (DPTC_FUZZ_SKIP=no_sync_grads,no_shard_full_state), to look past known findings;
-DPTC_FUZZ_VERBOSE=1 logs every example.  The test prints "fuzz fsdp1: N examples ..." (run
-with -s).
+entry (DPTC_FUZZ_SKIP=no_sync_grads,no_shard_full_state,clip_after_forward), to look past
+known findings; DPTC_FUZZ_VERBOSE=1 logs every example.  The test prints "fuzz fsdp1: N
+examples ..." (run with -s).
 """
 
 import os
@@ -333,8 +333,34 @@ def _no_shard_full_state_aliases(example):
     return False
 
 
+def _clip_after_forward(example):
+    """dptc finding (reported, not fixed here): FullyShardedDataParallel.clip_grad_norm_
+    after a forward (with grad or under no_grad) that no backward has followed leaves out
+    the gradients of the units that forward left unsharded (the root under FULL_SHARD, every
+    unit under SHARD_GRAD_OP and NO_SHARD): it returns the norm of the others only (0.0 for
+    a model wrapped as one instance) and does not clip the left-out gradients (train_step,
+    forward under no_grad, clip_grad_norm_(0.1): the norm 0.428 where torch's, and dptc's
+    without the forward, is 0.789; the root's gradients end 6.9 times torch's).  Holds where
+    a clip_grad_norm op comes after a forward with no backward between."""
+    outstanding = False
+    kept = 0
+    for op in example["ops"]:
+        name = op["op"]
+        if name == "clip_grad_norm" and outstanding:
+            return True
+        if name == "forward":
+            outstanding = True
+            kept += op["mode"] == "keep"
+        if name in ("train_step", "no_sync_step") or (name == "backward" and kept):
+            outstanding = False
+        if name == "backward" and kept:
+            kept -= 1
+    return False
+
+
 KNOWN_FINDINGS = {"no_sync_grads": _no_sync_gradients,
-                  "no_shard_full_state": _no_shard_full_state_aliases}
+                  "no_shard_full_state": _no_shard_full_state_aliases,
+                  "clip_after_forward": _clip_after_forward}
 
 
 def _label(progress_line):
@@ -373,6 +399,10 @@ EXPLICIT = [
     {"config": {**_PLAIN, "strategy": "NO_SHARD"},
      "ops": [{"op": "train_step", "seed": 0}, {"op": "state_dict", "kind": "full"},
              {"op": "optim_step"}, {"op": "load_state_dict", "which": 0}]},
+    {"config": {**_PLAIN, "dtype": "float32"},
+     "ops": [{"op": "train_step", "seed": 0}, {"op": "forward", "seed": 0, "mode": "no_grad"},
+             {"op": "clip_grad_norm", "max_norm": 0.1},
+             {"op": "summon", "writeback": False, "grads": True, "modify": False}]},
 ]
 
 
