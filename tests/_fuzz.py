@@ -46,7 +46,8 @@ from pathlib import Path
 from tests import _launch
 from tests._compare import max_rel
 
-__all__ = ["serve", "RankServers", "compare", "fuzz", "budget_from_env"]
+__all__ = ["serve", "serve_torch_and_dptc", "renew_failed_dptc_groups", "RankServers",
+           "compare", "fuzz", "budget_from_env", "skipped_from_env"]
 
 POLL_S = 0.002
 START_TIMEOUT_S = 120.0
@@ -94,6 +95,50 @@ def serve(directory: str, run_example, warm_up=None) -> dict:
             if (where / "stop").exists():
                 return {"examples": index}
             time.sleep(POLL_S)
+
+
+def _warm_up_torch_and_dptc():
+    """torch's default group on gloo (dptc builds its own on it) and dptc's, before ready."""
+    from tests._rank import load_impl
+    load_impl("torch")
+    import dptc
+    dptc.init_process_group()
+
+
+def serve_torch_and_dptc(directory: str, run_example) -> dict:
+    """`serve` for a worker that runs torch's implementation and dptc's side by side: both
+    groups made before ready, dptc's destroyed at the stop.  It returns through tests._rank's
+    reference mode (RankServers sets DPTC_TEST_REFERENCE=1), which writes the exit record and
+    leaves with os._exit without freeing torch's groups ([Note: torch references at teardown]
+    in tests/_rank.py: a torch DDP's Reducer freed last can deadlock its gloo group's
+    destructor, and torch 2.13's FSDP1 and gloo can abort a process at exit)."""
+    stats = serve(directory, run_example, warm_up=_warm_up_torch_and_dptc)
+    import dptc
+    dptc.destroy_process_group()
+    return stats
+
+
+def renew_failed_dptc_groups() -> bool:
+    """dptc aborts its group on purpose where ranks could otherwise fall out of step (DDP's
+    unused-parameter error, for one: "The process group has been aborted so that every rank
+    raises"), and an aborted group raises PeerLostError from then on.  torch's gloo group
+    stays usable, so the next example would fail at dptc's setup for a reason of this one's.
+    Where a dptc group failed on any rank (agreed over torch's gloo group, so that every rank
+    decides alike), dptc's groups are destroyed and the default one made again; returns
+    whether they were."""
+    import dptc
+    import torch
+    import torch.distributed as dist
+    from dptc import group as dptc_group
+    failed = any(pg._c.failure() is not None for pg in list(dptc_group._groups)
+                 if not pg._c.closed)
+    flag = torch.tensor([int(failed)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if not flag.item():
+        return False
+    dptc.destroy_process_group()
+    dptc.init_process_group()
+    return True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -437,3 +482,9 @@ def fuzz(strategy, check, *, max_examples: int, seconds: float | None = None, se
         round_seed += 1
     stats["seconds"] = time.monotonic() - began
     return stats
+
+
+def skipped_from_env() -> set:
+    """The names in DPTC_FUZZ_SKIP (comma-separated): ops or known findings to leave out."""
+    return {name.strip() for name in os.environ.get("DPTC_FUZZ_SKIP", "").split(",")
+            if name.strip()}

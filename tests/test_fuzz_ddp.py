@@ -67,15 +67,10 @@ WEIGHTS = {"train_step": 3}
 TOLERANCE = {"float32": 1e-5, "float64": 1e-10}
 
 
-def _skipped():
-    return {name.strip() for name in os.environ.get("DPTC_FUZZ_SKIP", "").split(",")
-            if name.strip()}
-
-
 @st.composite
 def examples(draw):
     """One example: {"config": ..., "ops": [...]} (see tests/workers_fuzz_ddp.py)."""
-    skip = _skipped()
+    skip = _fuzz.skipped_from_env()
     config = {
         "seed": draw(st.integers(0, 3)),
         "dtype": draw(st.sampled_from(["float32", "float64"])),
@@ -358,7 +353,7 @@ def _label(progress_line):
 
 
 def _check(servers, example):
-    skip = _skipped()
+    skip = _fuzz.skipped_from_env()
     if any(known(example) for name, known in KNOWN_FINDINGS.items() if name in skip):
         return
     stop = torch_stop(example["ops"], example["config"])

@@ -63,15 +63,10 @@ UNITS = {None: ["block0", "block1", "root"],
          "emb_norm_head": ["block0", "block1", "head", "norm", "emb", "root"]}
 
 
-def _skipped():
-    return {name.strip() for name in os.environ.get("DPTC_FUZZ_SKIP", "").split(",")
-            if name.strip()}
-
-
 @st.composite
 def examples(draw):
     """One example: {"config": ..., "ops": [...]} (see tests/workers_fuzz_fsdp.py)."""
-    skip = _skipped()
+    skip = _fuzz.skipped_from_env()
     config = {
         "seed": draw(st.integers(0, 3)),
         "dtype": draw(st.sampled_from(["float32", "float64"])),

@@ -328,17 +328,6 @@ def run_example(example, note):
     return result
 
 
-def _warm_up():
-    """torch's default group on gloo (dptc builds its own on it) and dptc's, before ready."""
-    from tests._rank import load_impl
-    load_impl("torch")
-    import dptc
-    dptc.init_process_group()
-
-
 def serve(directory):
-    """The rank server (tests/_fuzz.py's serve) for this module's examples."""
-    stats = _fuzz.serve(directory, run_example, warm_up=_warm_up)
-    import dptc
-    dptc.destroy_process_group()
-    return stats
+    """The rank server for this module's examples (tests/_fuzz.py's serve_torch_and_dptc)."""
+    return _fuzz.serve_torch_and_dptc(directory, run_example)

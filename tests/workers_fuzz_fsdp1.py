@@ -297,48 +297,11 @@ def run_example(example, note):
         note(f"{impl} done")
         del model, optimizer, held
         gc.collect()
-    if _renew_failed_dptc_groups():
+    if _fuzz.renew_failed_dptc_groups():
         result["dptc_group_renewed"] = True
     return result
 
 
-def _renew_failed_dptc_groups() -> bool:
-    """dptc aborts its group on purpose where ranks could otherwise fall out of step (DDP's
-    unused-parameter error, for one: "The process group has been aborted so that every rank
-    raises"), and an aborted group raises PeerLostError from then on.  torch's gloo group
-    stays usable, so the next example would fail at dptc's setup for a reason of this one's.
-    Where a dptc group failed on any rank (agreed over torch's gloo group, so that every rank
-    decides alike), dptc's groups are destroyed and the default one made again; returns
-    whether they were."""
-    import dptc
-    import torch.distributed as dist
-    from dptc import group as dptc_group
-    failed = any(pg._c.failure() is not None for pg in list(dptc_group._groups)
-                 if not pg._c.closed)
-    flag = torch.tensor([int(failed)])
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    if not flag.item():
-        return False
-    dptc.destroy_process_group()
-    dptc.init_process_group()
-    return True
-
-
-def _warm_up():
-    """torch's default group on gloo (dptc builds its own on it) and dptc's, before ready."""
-    from tests._rank import load_impl
-    load_impl("torch")
-    import dptc
-    dptc.init_process_group()
-
-
 def serve(directory):
-    """The rank server (tests/_fuzz.py's serve) for this module's examples.  It returns
-    through tests._rank's reference mode (RankServers sets DPTC_TEST_REFERENCE=1), which
-    writes the exit record and leaves with os._exit without freeing torch's groups: torch
-    2.13's FSDP1 and gloo can abort a process at exit ("terminate called without an active
-    exception"), and the server is judged by its results."""
-    stats = _fuzz.serve(directory, run_example, warm_up=_warm_up)
-    import dptc
-    dptc.destroy_process_group()
-    return stats
+    """The rank server for this module's examples (tests/_fuzz.py's serve_torch_and_dptc)."""
+    return _fuzz.serve_torch_and_dptc(directory, run_example)
