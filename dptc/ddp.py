@@ -604,7 +604,10 @@ class DistributedDataParallel(nn.Module, Joinable):
                     self._join_works.append(work)
             if effective:
                 scale = self._group.size / training.item()  # [Note: a step's scale]
-        self._reducer.prepare_for_backward(sync, scale)
+        if grad_enabled:
+            # A forward under no_grad has no backward: it leaves the reducer to the
+            # backward an earlier forward prepared, as torch's does.
+            self._reducer.prepare_for_backward(sync, scale)
         return sync
 
     # -- uneven inputs (see dptc/join.py) --------------------------------------------------

@@ -26,9 +26,9 @@ EXAMPLE_TIMEOUT_S fails; hypothesis shrinks the failure, then ops are deleted on
 while it persists, and the message gives that 1-minimal sequence.  TORCH_LIMITS and
 torch_stop say where torch cannot be the oracle, and NORMALISE which differences are judged
 acceptable, each with its reason; KNOWN_FINDINGS lists the dptc bugs found and not yet
-fixed.
+fixed (none now).
 
-Budget: CI runs the EXPLICIT examples (the minimal sequences of KNOWN_FINDINGS) and
+Budget: CI runs the EXPLICIT examples (the minimal sequences of the findings fixed so far) and
 CI_EXAMPLES generated examples from a fixed seed, about 35 s with the ranks' start-up on the
 development machine (2 cores, when nothing else runs).  Longer searches:
     DPTC_FUZZ_EXAMPLES=2000 python -m pytest tests/test_fuzz_ddp.py -s
@@ -36,8 +36,8 @@ development machine (2 cores, when nothing else runs).  Longer searches:
 (the second runs rounds of CI_EXAMPLES examples, or DPTC_FUZZ_EXAMPLES, with seeds
 DPTC_FUZZ_SEED (default 0), +1, ... until the time is up, collecting every round's finding
 instead of stopping at the first).  DPTC_FUZZ_SKIP=name,name leaves ops out of the
-vocabulary, or passes the examples of a KNOWN_FINDINGS entry
-(DPTC_FUZZ_SKIP=no_grad_between), to look past known findings;
+vocabulary, or passes the examples of a KNOWN_FINDINGS entry (by its name), to look past
+known findings;
 DPTC_FUZZ_VERBOSE=1 logs every example.  The test prints "fuzz ddp: N examples ..." (run
 with -s).
 """
@@ -45,18 +45,9 @@ with -s).
 import os
 import time
 
-import pytest
-
 from hypothesis import strategies as st
 
 from tests import _fuzz
-
-# Open findings (issue 37): this fuzzer's KNOWN_FINDINGS are dptc bugs not fixed yet, and its
-# explicit examples fail until they are.  It runs only when asked, so the suite stays green
-# while they are open:  DPTC_FUZZ_OPEN=1 python -m pytest -s tests/test_fuzz_ddp.py
-pytestmark = pytest.mark.skipif(os.environ.get("DPTC_FUZZ_OPEN") != "1",
-                                reason="open findings of issue 37 (see KNOWN_FINDINGS); "
-                                       "DPTC_FUZZ_OPEN=1 runs it")
 
 TARGET = "tests.workers_fuzz_ddp:serve"
 WORLD_SIZE = 2
@@ -326,25 +317,10 @@ def _until_torch_limit(example, result):
 
 
 # dptc findings reported and not yet fixed: DPTC_FUZZ_SKIP=<name> passes the examples where
-# the predicate holds, to look past them (a long run).  CI runs without them.
-def _no_grad_forward_before_backward(example):
-    """dptc finding (reported, not fixed here): a forward under torch.no_grad() between a
-    forward and its backward (a kept forward, a no_grad forward, the kept forward's
-    backward) makes dptc's backward reduce nothing: every rank keeps its own gradients and
-    the replicas drift apart, where torch's averages them as without the no_grad forward."""
-    kept = 0
-    for op in example["ops"]:
-        name = op["op"]
-        if name == "forward" and op["mode"] == "no_grad" and kept:
-            return True
-        if name == "forward" and op["mode"] == "keep":
-            kept += 1
-        if name == "backward" and kept:
-            kept -= 1
-    return False
-
-
-KNOWN_FINDINGS = {"no_grad_between": _no_grad_forward_before_backward}
+# the predicate (example -> bool) holds, to look past them (a long run).  None is open: the
+# one this fuzzer found (a forward under no_grad between a forward and its backward made that
+# backward reduce nothing) is fixed, and its minimal sequence is an EXPLICIT example.
+KNOWN_FINDINGS = {}
 
 
 def _label(progress_line):
@@ -374,8 +350,8 @@ def _check(servers, example):
                              + ("\n" + "\n".join(tracebacks[:2]) if tracebacks else ""))
 
 
-# The minimal sequences of the KNOWN_FINDINGS, run first in every run (as explicit examples:
-# each once, outside hypothesis), so that CI checks them whatever the search draws.
+# The minimal sequences of the findings fixed so far, run first in every run (as explicit
+# examples: each once, outside hypothesis), so that CI checks them whatever the search draws.
 _PLAIN = {"seed": 0, "dtype": "float64", "rank_init": False, "batch_norm": False,
           "find_unused": False, "static_graph": False, "bucket_view": False,
           "bucket_cap_mb": 25, "broadcast_buffers": False, "optim": "sgd"}
