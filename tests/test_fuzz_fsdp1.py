@@ -26,9 +26,9 @@ shrinks the failure, then ops are deleted one at a time while it persists, and t
 gives that 1-minimal sequence.  TORCH_LIMITS (torch raises) and TORCH_WRONG (torch's
 values are wrong) say where torch cannot be the oracle, and NORMALISE which differences are
 judged acceptable, each with its reason; KNOWN_FINDINGS lists the dptc bugs found and not yet
-fixed.
+fixed (none now).
 
-Budget: CI runs the EXPLICIT examples (the minimal sequences of KNOWN_FINDINGS) and
+Budget: CI runs the EXPLICIT examples (the minimal sequences of the findings fixed so far) and
 CI_EXAMPLES generated examples from a fixed seed, about 35 s with the ranks' start-up on the
 development machine (2 cores, when nothing else runs).  Longer searches:
     DPTC_FUZZ_EXAMPLES=2000 python -m pytest tests/test_fuzz_fsdp1.py -s
@@ -37,26 +37,16 @@ development machine (2 cores, when nothing else runs).  Longer searches:
 DPTC_FUZZ_SEED (default 0), +1, ... until the time is up, collecting every round's finding
 instead of stopping at the first).  DPTC_FUZZ_SKIP=name,name leaves ops out of the
 vocabulary ("mp" never draws mixed precision), or passes the examples of a KNOWN_FINDINGS
-entry (DPTC_FUZZ_SKIP=no_sync_grads,no_shard_full_state,clip_after_forward), to look past
-known findings; DPTC_FUZZ_VERBOSE=1 logs every example.  The test prints "fuzz fsdp1: N
+entry (by its name), to look past known findings; DPTC_FUZZ_VERBOSE=1 logs every example.  The test prints "fuzz fsdp1: N
 examples ..." (run with -s).
 """
 
 import os
 import time
 
-import pytest
-
 from hypothesis import strategies as st
 
 from tests import _fuzz
-
-# Open findings (issue 37): this fuzzer's KNOWN_FINDINGS are dptc bugs not fixed yet, and its
-# explicit examples fail until they are.  It runs only when asked, so the suite stays green
-# while they are open:  DPTC_FUZZ_OPEN=1 python -m pytest -s tests/test_fuzz_fsdp1.py
-pytestmark = pytest.mark.skipif(os.environ.get("DPTC_FUZZ_OPEN") != "1",
-                                reason="open findings of issue 37 (see KNOWN_FINDINGS); "
-                                       "DPTC_FUZZ_OPEN=1 runs it")
 
 TARGET = "tests.workers_fuzz_fsdp1:serve"
 WORLD_SIZE = 2
@@ -128,6 +118,16 @@ TORCH_LIMITS = [
      "torch's FullyShardedDataParallel.clip_grad_norm_ refuses float64 gradients (it asks "
      "vector_norm for a float32 result; tests/workers_fsdp1.py trains torch's in float32 for "
      "this); dptc's clips them"),
+    ("must match the size of tensor b",
+     "an optimizer step after a backward under no_sync() (the accumulated gradients still "
+     "unsynced): torch's FSDP1 under FULL_SHARD and SHARD_GRAD_OP leaves each parameter the "
+     "full-shaped gradient on its flat shard, which the step cannot add; dptc's steps each "
+     "rank's shard with its own accumulated gradient's rows, as DDP and torch's NO_SHARD "
+     "step with a rank's own gradients"),
+    ("Expects tensor to be sharded with size",
+     "summon_full_params(with_grads=True) after a backward under no_sync(): torch's FSDP1 "
+     "under FULL_SHARD and SHARD_GRAD_OP fails its own assertion on the unsharded gradient it "
+     "left; dptc's shows this rank's accumulated gradients, as torch's NO_SHARD does"),
 ]
 
 
@@ -241,8 +241,29 @@ def _mixed_precision_no_shard_accumulation(example):
     return None
 
 
+def _frozen_unsynced_gradients(example):
+    """The index of the first op (in the outcomes) from which torch is no oracle, or None.
+    After a backward under no_sync(), torch 2.13's FSDP1 gives the frozen parameters
+    (requires_grad=False, block 0's norm) gradients, under every strategy: the views of the
+    flat parameter's unsharded gradient, which covers them too; clip_grad_norm_ counts them
+    (no_sync_step, clip_grad_norm_ under NO_SHARD: 1.1054 on rank 0 where dptc's, without
+    them, is 1.0942) and summon_full_params(with_grads=True) shows them.  A frozen parameter
+    has no gradient, as in one process.  Cut at the first op after a no_sync step that reads
+    gradients."""
+    if not example["config"]["frozen"]:
+        return None
+    unsynced = False
+    for index, op in enumerate(example["ops"]):
+        name = op["op"]
+        if unsynced and (name == "clip_grad_norm" or (name == "summon" and op["grads"])):
+            return index + 1
+        unsynced = unsynced or name == "no_sync_step"
+    return None
+
+
 TORCH_WRONG = [_mixed_precision_interleaved, _change_after_forward,
-               _backward_after_later_forward, _mixed_precision_no_shard_accumulation]
+               _backward_after_later_forward, _mixed_precision_no_shard_accumulation,
+               _frozen_unsynced_gradients]
 
 
 def _until_torch_limit(example, result):
@@ -283,79 +304,12 @@ NORMALISE = [_frozen_gradients]
 
 
 # dptc findings reported and not yet fixed: DPTC_FUZZ_SKIP=<name> passes the examples where
-# the predicate holds, to look past them (a long run).  CI runs without them.
-def _no_sync_gradients(example):
-    """dptc finding (reported, not fixed here): after a backward inside no_sync(), dptc's
-    accumulated gradients are invisible until the next synced backward (p.grad None,
-    clip_grad_norm_ 0.0, the optimizer steps without them) and optimizer.zero_grad() does
-    not discard them: the next synced backward reduces them in.  torch's FSDP1 (as DDP)
-    exposes this rank's accumulated gradients in .grad, and zero_grad clears them.  Holds
-    where an op that reads or clears gradients comes after a no_sync train step with no
-    synced backward between."""
-    unsynced = False
-    kept = 0
-    for op in example["ops"]:
-        name = op["op"]
-        if name == "no_sync_step":
-            unsynced = True
-        elif name == "train_step" or (name == "backward" and kept):
-            unsynced = False
-        elif unsynced and (name in ("clip_grad_norm", "optim_step", "zero_grad")
-                           or (name == "summon" and op["grads"])):
-            return True
-        if name == "forward" and op["mode"] == "keep":
-            kept += 1
-        if name == "backward" and kept:
-            kept -= 1
-    return False
-
-
-def _no_shard_full_state_aliases(example):
-    """dptc finding (reported, not fixed here): under NO_SHARD, dptc's FULL_STATE_DICT
-    values share storage with the parameters (not a snapshot), so a later optimizer step
-    changes the state taken, and loading it back restores nothing (train_step, state_dict
-    FULL, optim_step, load_state_dict: dptc ends at the stepped parameters, torch's at the
-    ones the state was taken from).  Holds where NO_SHARD takes a FULL state dict and loads
-    a state later."""
-    if example["config"]["strategy"] != "NO_SHARD":
-        return False
-    taken = False
-    for op in example["ops"]:
-        if op["op"] == "state_dict" and op["kind"] == "full":
-            taken = True
-        if op["op"] == "load_state_dict" and taken:
-            return True
-    return False
-
-
-def _clip_after_forward(example):
-    """dptc finding (reported, not fixed here): FullyShardedDataParallel.clip_grad_norm_
-    after a forward (with grad or under no_grad) that no backward has followed leaves out
-    the gradients of the units that forward left unsharded (the root under FULL_SHARD, every
-    unit under SHARD_GRAD_OP and NO_SHARD): it returns the norm of the others only (0.0 for
-    a model wrapped as one instance) and does not clip the left-out gradients (train_step,
-    forward under no_grad, clip_grad_norm_(0.1): the norm 0.428 where torch's, and dptc's
-    without the forward, is 0.789; the root's gradients end 6.9 times torch's).  Holds where
-    a clip_grad_norm op comes after a forward with no backward between."""
-    outstanding = False
-    kept = 0
-    for op in example["ops"]:
-        name = op["op"]
-        if name == "clip_grad_norm" and outstanding:
-            return True
-        if name == "forward":
-            outstanding = True
-            kept += op["mode"] == "keep"
-        if name in ("train_step", "no_sync_step") or (name == "backward" and kept):
-            outstanding = False
-        if name == "backward" and kept:
-            kept -= 1
-    return False
-
-
-KNOWN_FINDINGS = {"no_sync_grads": _no_sync_gradients,
-                  "no_shard_full_state": _no_shard_full_state_aliases,
-                  "clip_after_forward": _clip_after_forward}
+# the predicate (example -> bool) holds, to look past them (a long run).  None is open: the
+# three this fuzzer found (gradients accumulated under no_sync() hidden from .grad,
+# clip_grad_norm_ and zero_grad; NO_SHARD's full state dict aliasing the parameters;
+# clip_grad_norm_ after a forward leaving out the units it left unsharded) are fixed, and
+# their minimal sequences are EXPLICIT examples.
+KNOWN_FINDINGS = {}
 
 
 def _label(progress_line):
@@ -382,8 +336,8 @@ def _check(servers, example):
                              + ("\n" + "\n".join(tracebacks[:2]) if tracebacks else ""))
 
 
-# The minimal sequences of the KNOWN_FINDINGS, run first in every run (as explicit examples:
-# each once, outside hypothesis), so that CI checks them whatever the search draws.
+# The minimal sequences of the findings fixed so far, run first in every run (as explicit
+# examples: each once, outside hypothesis), so that CI checks them whatever the search draws.
 _PLAIN = {"seed": 0, "dtype": "float64", "input": "embedding", "blocks": 2, "wrap": "policy",
           "strategy": "FULL_SHARD", "frozen": False, "mp": False, "optim": "sgd"}
 EXPLICIT = [
@@ -398,6 +352,13 @@ EXPLICIT = [
      "ops": [{"op": "train_step", "seed": 0}, {"op": "forward", "seed": 0, "mode": "no_grad"},
              {"op": "clip_grad_norm", "max_norm": 0.1},
              {"op": "summon", "writeback": False, "grads": True, "modify": False}]},
+    {"config": {**_PLAIN, "dtype": "float32"},
+     "ops": [{"op": "no_sync_step", "seed": 0}, {"op": "clip_grad_norm", "max_norm": 0.1},
+             {"op": "train_step", "seed": 1}]},
+    {"config": {**_PLAIN, "strategy": "NO_SHARD"},
+     "ops": [{"op": "train_step", "seed": 0}, {"op": "no_sync_step", "seed": 1},
+             {"op": "clip_grad_norm", "max_norm": 0.1}, {"op": "zero_grad", "set_to_none": False},
+             {"op": "train_step", "seed": 2}]},
 ]
 
 

@@ -21,6 +21,7 @@ import warnings
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ReduceOp
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (BackwardPrefetch, CPUOffload, FullOptimStateDictConfig,
@@ -32,6 +33,7 @@ from torch.distributed.tensor import DTensor
 from .._dcp import recognise, torch_methods
 from .._same_model import check_same_parameters
 from .. import group as _group_module
+from ..collectives import all_reduce
 from ..group import default_group
 from ._api import MixedPrecisionPolicy
 from ._comm_hooks import resolve as resolve_comm_hook
@@ -399,6 +401,7 @@ class FullyShardedDataParallel(nn.Module):
         if state.unit is not None:
             # no_sync accumulates in param_dtype, as torch's FSDP1 does.
             state.unit.accumulate_in_reduce_dtype = False
+            state.unit.expose_unsynced_grads = True
         if state.unit is not None and mixed_precision is not None and \
                 mixed_precision.keep_low_precision_grads:
             state.unit.keep_low_precision_grads = True
@@ -629,8 +632,46 @@ class FullyShardedDataParallel(nn.Module):
         total norm before clipping (over all ranks' shards).  On the root only, as torch's:
         a nested instance would clip its own parameters by their norm alone."""
         self._require_root("clip_grad_norm_")
-        norm = torch.nn.utils.clip_grad_norm_(list(self.parameters()), max_norm, norm_type)
-        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+        units = [fsdp.__dict__["_fsdp_state"].unit for fsdp in self.fsdp_modules(self)]
+        units = [unit for unit in units if unit is not None]
+        # The sharded parameters, whichever the modules hold now (a forward leaves some
+        # unsharded), and the parameters no unit manages.
+        params, managed, exposed = [], set(), set()
+        for unit in units:
+            for p in unit.params:
+                params.append(p.sharded)
+                managed.update(id(t) for t in (p.sharded, p.unsharded, p.summoned))
+                if p.exposed is not None:
+                    exposed.add(id(p.exposed))
+        params += [p for p in self.parameters() if id(p) not in managed]
+        grads = [p.grad for p in params if p.grad is not None]
+        norm_type = float(norm_type)
+        regular = [g for g in grads if id(g) not in exposed]
+        total = torch.nn.utils.get_total_norm(regular, norm_type) if regular else None
+        if isinstance(total, DTensor):
+            total = total.full_tensor()
+        if exposed:
+            # Gradients accumulated under no_sync(), this rank's own (see [Note: FSDP1's
+            # gradients without sync]): their norms add over the shard group, as torch's
+            # FSDP1 adds its ranks' unsharded gradients'.
+            local = torch.nn.utils.get_total_norm(
+                [g._local_tensor for g in grads if id(g) in exposed], norm_type)
+            inf = norm_type == float("inf")
+            part = local.clone() if inf else local.double() ** norm_type
+            all_reduce(part, op=ReduceOp.MAX if inf else ReduceOp.SUM, group=units[0].group)
+            if inf:
+                total = part if total is None else torch.maximum(total, part.to(total.dtype))
+            else:
+                if total is not None:
+                    part = part + total.double() ** norm_type
+                total = (part ** (1.0 / norm_type)).to(local.dtype)
+        if total is None:
+            return torch.tensor(0.0)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for grad in grads:
+            local = grad._local_tensor if isinstance(grad, DTensor) else grad
+            local.mul_(coef.to(local.dtype))
+        return total
 
     @staticmethod
     @contextlib.contextmanager
@@ -743,7 +784,12 @@ class FullyShardedDataParallel(nn.Module):
                 state_dict[key] = value
                 continue
             if full and isinstance(value, DTensor):
+                local = value.to_local()
                 value = value.full_tensor()
+                if value.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
+                    # Nothing to gather (NO_SHARD, or a shard group of one): full_tensor()
+                    # gave the parameter itself, and the dict is a snapshot.
+                    value = value.detach().clone()
             elif isinstance(value, DTensor):
                 # A copy of the shard, as torch's FSDP1 gives: the dict is a snapshot that
                 # training does not change (see [Note: FSDP1 state dicts are snapshots]).

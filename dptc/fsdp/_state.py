@@ -377,6 +377,7 @@ class State:
             torch.autograd.Variable._execution_engine.queue_callback(root._end_of_backward)
         self.backward_started = True
         if self.unit is not None:
+            self.unit.reclaim_unsynced()   # see [Note: FSDP1's gradients without sync]
             if self.unit.state == "sharded" and not self.unshard_in_backward:
                 return
             self.unit.unshard(in_backward=True)
@@ -463,6 +464,7 @@ class State:
                 if unit is None:
                     continue
                 unused = state.reduce_scatter_unused_params
+                unit.reclaim_unsynced()    # see [Note: FSDP1's gradients without sync]
                 if state.reshard_after_backward:   # first, see [Note: memory at the reduction]
                     unit.reshard()
                 if state.requires_gradient_sync and (unused or unit.has_unsharded_grads()):

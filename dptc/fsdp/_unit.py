@@ -89,6 +89,11 @@ class _Param:
         # storage].
         self.freed_version = None
         self.accumulated = None               # see [Note: accumulating without sync]
+        # FSDP1, between an unsynced backward and the next backward: the .grad put on the
+        # sharded parameter, and the sharded gradient it stands in for (see [Note: FSDP1's
+        # gradients without sync]).
+        self.exposed = None
+        self.kept_grad = None
 
     def rank_start(self, rank):
         return min(self.extent, rank * self.rows)
@@ -515,6 +520,23 @@ class SpmdLayout:
         return self.spec_mesh, tuple(out)
 
 
+def _assign_grad(param, grad):
+    """param.grad = grad (a DTensor or None), in grad's dtype even where it differs from the
+    parameter's (param_dtype, keep_low_precision_grads): through .data, as .grad must
+    otherwise match the parameter's dtype, and through _local_tensor too, which DTensor's .data
+    leaves in place."""
+    if grad is None or grad.dtype == param.dtype:
+        param.grad = grad
+        return
+    local = grad._local_tensor
+    param.grad = DTensor.from_local(torch.empty(local.shape, dtype=param.dtype,
+                                                device=local.device),
+                                    grad.device_mesh, grad.placements, run_check=False,
+                                    shape=grad.shape, stride=grad.stride())
+    param.grad.data = grad
+    param.grad._local_tensor = local
+
+
 class Unit:
     """The parameters one fully_shard call manages, on the mesh's shard group (and, for HSDP,
     its replicate group)."""
@@ -550,8 +572,10 @@ class Unit:
         self.post_forward_group = None
         # FSDP1's MixedPrecision(keep_low_precision_grads=True), see _keep_low_precision.
         self.keep_low_precision_grads = False
-        # See [Note: accumulating without sync]; FSDP1 accumulates in param_dtype.
+        # See [Note: accumulating without sync]; FSDP1 accumulates in param_dtype and shows
+        # the sum in .grad (see [Note: FSDP1's gradients without sync]).
         self.accumulate_in_reduce_dtype = True
+        self.expose_unsynced_grads = False
         originals = {id(p): param for p, (param, _) in zip(self.params, params_and_locations)}
         for bucket in self.buckets:
             self._shard(bucket, originals)
@@ -1007,7 +1031,10 @@ class Unit:
 
     def accumulate_unsynced(self):
         """After a backward without sync: moves the unsharded gradients into their
-        accumulators (see [Note: accumulating without sync])."""
+        accumulators (see [Note: accumulating without sync]), or under FSDP1 shows them in
+        .grad (see [Note: FSDP1's gradients without sync])."""
+        if self.expose_unsynced_grads:
+            self._expose_unsynced()
         if not self.accumulate_in_reduce_dtype:
             return
         for bucket in self.buckets:
@@ -1015,6 +1042,58 @@ class Unit:
                 if p.unsharded.grad is None or p.unsharded.grad.dtype == bucket.reduce_dtype:
                     continue
                 p.accumulated = self._take_grad(p).to(bucket.reduce_dtype)
+
+    # [Note: FSDP1's gradients without sync]
+    # torch's FSDP1 leaves what backwards under no_sync() accumulated in .grad, as DDP does:
+    # this rank's own sum, full-shaped, which clip_grad_norm_ and the optimizer see and
+    # zero_grad clears.  dptc's FSDP1 does the same: after an unsynced backward each sharded
+    # parameter's .grad becomes a DTensor, Replicate on the unit's mesh, over the unsharded
+    # gradient itself (no copy; in param_dtype, set through .data where that differs from the
+    # parameter's dtype, as keep_low_precision_grads does).  What the user did to it is taken
+    # back before the unit's next backward reads or adds to the sum (reclaim_unsynced, from
+    # the unit's pre-backward and, for a unit that backward does not reach, the end of
+    # backward): .grad set to None (zero_grad) drops the sum; a tensor put in its place
+    # becomes the sum; changes in place (zero_, clip_grad_norm_'s mul_) are in it already.  A
+    # sharded gradient an earlier synced backward left waits aside meanwhile and comes back
+    # then, unless .grad was set to None (under NO_SHARD, where that gradient is whole, it
+    # joins the sum instead, as in torch's).  fully_shard keeps the sum hidden, as torch's
+    # does.
+
+    def _expose_unsynced(self):
+        for p in self.params:
+            grad = p.unsharded.grad
+            if grad is None or p.sharded is p.unsharded or p.tp_spec is not None:
+                continue
+            if p.exposed is None and p.sharded.grad is not None and self.group.size == 1:
+                # Shards of one rank (NO_SHARD): the earlier gradient joins the sum, as
+                # torch's NO_SHARD accumulates into it.
+                grad.add_(p.sharded.grad._local_tensor.reshape(grad.shape).to(grad.dtype))
+            elif p.exposed is None:
+                p.kept_grad = p.sharded.grad
+            mesh = p.sharded.device_mesh
+            _assign_grad(p.sharded, DTensor.from_local(grad, mesh, [Replicate()] * mesh.ndim,
+                                                       run_check=False))
+            p.exposed = p.sharded.grad
+
+    def reclaim_unsynced(self):
+        """Before a backward: takes back the gradients _expose_unsynced showed in .grad (see
+        [Note: FSDP1's gradients without sync])."""
+        for p in self.params:
+            exposed, p.exposed = p.exposed, None
+            if exposed is None:
+                continue
+            current, kept, p.kept_grad = p.sharded.grad, p.kept_grad, None
+            if current is None:
+                p.unsharded.grad = None
+                continue
+            if current is not exposed:
+                local = current.full_tensor() if isinstance(current, DTensor) else current
+                p.unsharded.grad = local.detach().to(p.unsharded.dtype).reshape(p.shape)
+            _assign_grad(p.sharded, kept)
+
+    def is_exposed(self, grad):
+        """Whether grad is one that _expose_unsynced showed."""
+        return any(p.exposed is grad for p in self.params)
 
     def _take_grad(self, p):
         """p's gradient to reduce, its accumulator included, or None; clears both."""
