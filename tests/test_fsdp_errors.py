@@ -288,3 +288,21 @@ def test_killed_rank_fails_survivors_fast():
     for rank in (0, 2):
         _assert_dist_error(results[rank], types=("PeerLostError",))
         assert "global rank 1" in results[rank]["error"], results[rank]
+
+
+def test_failed_gather_keeps_its_storage():
+    """Rank 1 of 2 SIGKILLs itself in blocks.2's forward; rank 0's gather of blocks.3 gives
+    up with a DistError.  A cross-node gather blocked in gloo may still write into its outputs
+    after that, so reshard() frees every unit's unsharded storage but that one: blocks.3 keeps
+    its bytes (at least its parameters' own), every other unit holds none (before, the
+    reshard freed it too, under a write that could still come).  Rank 0 exits cleanly."""
+    results = run_ranks("tests.workers_fsdp_errors:failed_gather_case", 2,
+                        timeout=RUN_TIMEOUT_S, env={"DPTC_TIMEOUT": str(DPTC_TIMEOUT_S)},
+                        expect_failure=True)
+    survivor = results[0]
+    assert survivor["exitcode"] == 0, survivor
+    value = survivor["value"]
+    assert value["failure"] in ("PeerLostError", "DistTimeoutError"), value
+    kept = value["kept"]
+    assert kept["blocks.3"] >= value["full"]["blocks.3"] > 0, value
+    assert all(nbytes == 0 for name, nbytes in kept.items() if name != "blocks.3"), value

@@ -466,3 +466,41 @@ def fault_case(action, fail_rank=1, fail_step=1, fail_block=2, steps=3, on_error
         opt.zero_grad()
     dptc.destroy_process_group()
     return {"steps": steps}
+
+
+def failed_gather_case():
+    """2 ranks, Net with its 4 blocks and the root sharded: rank 1 SIGKILLs itself in
+    blocks.2's forward in step 1; rank 0 catches the DistError its next gather raises,
+    reshards every unit (reshard(), public) and reports each unit's unsharded storage bytes.
+    A gather whose wait gave up may still be writing into its outputs (see
+    _abandon_on_failure in dptc/fsdp/_unit.py), so that unit's storage must stay allocated,
+    where every other unit's is freed."""
+    import dptc
+    dptc.init_process_group()
+    rank, world = dptc.get_rank(), dptc.get_world_size()
+    model = _net()
+    for block in model.blocks:
+        dptc.fully_shard(block)
+    dptc.fully_shard(model)
+    generator = torch.Generator().manual_seed(SEED)
+    _step(model, world, rank, generator)
+    if rank == 1:
+        model.blocks[2].fault = "kill"
+    try:
+        _step(model, world, rank, generator)
+    except dptc.DistError as error:
+        failure = type(error).__name__
+    else:
+        failure = None
+    units = {"root": model, **{f"blocks.{i}": block for i, block in enumerate(model.blocks)}}
+    kept = {}
+    for name, module in units.items():
+        module.reshard()
+        unit = module.__dict__["_dptc_fsdp_state"].unit
+        kept[name] = sum(p.padded.untyped_storage().nbytes() for p in unit.params)
+    full = {name: sum(p.numel() * p.element_size()
+                      for key, p in module.named_parameters()
+                      if module is not model or not key.startswith("blocks"))
+            for name, module in units.items()}
+    dptc.destroy_process_group()
+    return {"failure": failure, "kept": kept, "full": full}

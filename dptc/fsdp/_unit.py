@@ -29,6 +29,7 @@ reduce-scatter leaves this rank's reduced pieces in a flat buffer whose views be
 gradients.
 """
 
+import contextlib
 import math
 import weakref
 
@@ -88,6 +89,8 @@ class _Param:
         # While unsharded's storage is freed, its version before: see [Note: freed unsharded
         # storage].
         self.freed_version = None
+        # A gather into the unsharded storage failed and may still write to it: never freed.
+        self.abandoned = False
         self.accumulated = None               # see [Note: accumulating without sync]
         # FSDP1, between an unsynced backward and the next backward: the .grad put on the
         # sharded parameter, and the sharded gradient it stands in for (see [Note: FSDP1's
@@ -208,7 +211,10 @@ class _Param:
 
     def free(self):
         """Frees the unsharded storage (the module holds the sharded parameter again); the
-        caller marks the parameter freed (_mark_freed)."""
+        caller marks the parameter freed (_mark_freed).  Storage a failed gather may still
+        write (see _abandon_on_failure) stays."""
+        if self.abandoned:
+            return
         for tensor in self._storage_tensors():
             tensor.untyped_storage().resize_(0)
 
@@ -307,6 +313,21 @@ def _unmark(params):
         p.freed_version = None
         if type(p.unsharded) is FreedParameter:
             p.unsharded.__class__ = nn.Parameter
+
+
+@contextlib.contextmanager
+def _abandon_on_failure(params):
+    """Around a wait for a gather into params' unsharded storage: where the wait raises, the
+    gather may go on writing there (a cross-node step blocked in gloo returns only when gloo
+    gives up; see [Note: memory of unfinished work] in csrc/module.c), so that storage is
+    never freed: the parameters keep it for good, as the work keeps its tensors.  The group
+    is aborted by then, so no gather fills it again."""
+    try:
+        yield
+    except BaseException:
+        for p in params:
+            p.abandoned = True
+        raise
 
 
 def _metadata_functions():
@@ -876,7 +897,8 @@ class Unit:
                 if bucket.gathered:
                     raise RuntimeError("wait_unshard before unshard")
             else:
-                bucket.c.wait_unshard()
+                with _abandon_on_failure(bucket.gathered):
+                    bucket.c.wait_unshard()
                 bucket.kept = None
                 for p in bucket.gathered:
                     p.assemble()
@@ -889,7 +911,8 @@ class Unit:
     def reshard(self):
         """Frees the unsharded storage and puts the sharded parameters back on the modules."""
         for bucket in self.buckets:
-            bucket.c.reshard()
+            with _abandon_on_failure(bucket.gathered):
+                bucket.c.reshard()
             bucket.kept = None
             _free(bucket.params)
             for p in bucket.params:
@@ -923,7 +946,8 @@ class Unit:
                     for p in bucket.gathered:
                         p.keep_pieces(first, span,
                                       kept[span * p.offset:span * (p.offset + p.piece)])
-            bucket.c.reshard()
+            with _abandon_on_failure(bucket.gathered):
+                bucket.c.reshard()
             bucket.kept = kept
             _free(bucket.params)
             for p in bucket.params:
