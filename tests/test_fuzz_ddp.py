@@ -51,7 +51,7 @@ from tests import _fuzz
 
 TARGET = "tests.workers_fuzz_ddp:serve"
 WORLD_SIZE = 2
-CI_EXAMPLES = 600
+CI_EXAMPLES = 300
 MAX_OPS = 8
 EXAMPLE_TIMEOUT_S = 15.0
 WEIGHTS = {"train_step": 3}

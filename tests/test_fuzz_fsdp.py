@@ -51,7 +51,7 @@ from tests import _fuzz
 
 TARGET = "tests.workers_fuzz_fsdp:serve"
 WORLD_SIZE = 2
-CI_EXAMPLES = 300
+CI_EXAMPLES = 150
 MAX_OPS = 8
 EXAMPLE_TIMEOUT_S = 10.0
 WEIGHTS = {"train_step": 3, "unshard": 2, "reshard": 2}

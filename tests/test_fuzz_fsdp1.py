@@ -50,7 +50,7 @@ from tests import _fuzz
 
 TARGET = "tests.workers_fuzz_fsdp1:serve"
 WORLD_SIZE = 2
-CI_EXAMPLES = 200
+CI_EXAMPLES = 100
 MAX_OPS = 8
 EXAMPLE_TIMEOUT_S = 15.0
 WEIGHTS = {"train_step": 3}
