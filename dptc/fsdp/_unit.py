@@ -597,6 +597,7 @@ class Unit:
         # the sum in .grad (see [Note: FSDP1's gradients without sync]).
         self.accumulate_in_reduce_dtype = True
         self.expose_unsynced_grads = False
+        self.any_exposed = False          # some parameter's .grad is _expose_unsynced's
         originals = {id(p): param for p, (param, _) in zip(self.params, params_and_locations)}
         for bucket in self.buckets:
             self._shard(bucket, originals)
@@ -1098,10 +1099,14 @@ class Unit:
             _assign_grad(p.sharded, DTensor.from_local(grad, mesh, [Replicate()] * mesh.ndim,
                                                        run_check=False))
             p.exposed = p.sharded.grad
+            self.any_exposed = True
 
     def reclaim_unsynced(self):
         """Before a backward: takes back the gradients _expose_unsynced showed in .grad (see
         [Note: FSDP1's gradients without sync])."""
+        if not self.any_exposed:
+            return
+        self.any_exposed = False
         for p in self.params:
             exposed, p.exposed = p.exposed, None
             if exposed is None:
@@ -1114,10 +1119,6 @@ class Unit:
                 local = current.full_tensor() if isinstance(current, DTensor) else current
                 p.unsharded.grad = local.detach().to(p.unsharded.dtype).reshape(p.shape)
             _assign_grad(p.sharded, kept)
-
-    def is_exposed(self, grad):
-        """Whether grad is one that _expose_unsynced showed."""
-        return any(p.exposed is grad for p in self.params)
 
     def _take_grad(self, p):
         """p's gradient to reduce, its accumulator included, or None; clears both."""
