@@ -28,12 +28,15 @@ leftover is a failure, after a kill it is expected and only removed.
 `fuzz` runs a hypothesis search as a plain function call (so one test can run a fixed budget in
 CI and a longer search behind an environment variable) and returns its statistics.
 
-Reused by the FSDP fuzzer (tests/test_fuzz_fsdp.py, tests/workers_fuzz_fsdp.py); a DDP or FSDP1
-fuzzer brings its own rank-side `run_example(example, note)` and strategy.
+Each fuzzer (fully_shard, FSDP1, DDP: tests/test_fuzz_*.py, their ranks' side in
+tests/workers_fuzz_*.py) brings its strategy, its check and three rank-side functions (setup,
+apply, final); `run_impls` runs them per example on both implementations, and
+`run_fuzz_test` is the test's body.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -41,13 +44,15 @@ import shutil
 import signal
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 from tests import _launch
 from tests._compare import max_rel
 
-__all__ = ["serve", "serve_torch_and_dptc", "renew_failed_dptc_groups", "RankServers",
-           "compare", "fuzz", "budget_from_env", "skipped_from_env"]
+__all__ = ["serve", "serve_torch_and_dptc", "run_impls", "error_text",
+           "renew_failed_dptc_groups", "RankServers", "label", "disagreement", "compare", "fuzz",
+           "run_fuzz_test", "budget_from_env", "skipped_from_env"]
 
 POLL_S = 0.002
 START_TIMEOUT_S = 120.0
@@ -116,6 +121,69 @@ def serve_torch_and_dptc(directory: str, run_example) -> dict:
     import dptc
     dptc.destroy_process_group()
     return stats
+
+
+def error_text(error) -> str:
+    """An outcome's "error": "Type: message" (the message cut at 500 characters)."""
+    return f"{type(error).__name__}: {str(error)[:500]}"
+
+
+def run_impls(example, note, setup, apply, final, impls=("torch", "dptc")) -> dict:
+    """The rank side of one example: {impl: [outcome per op]}, each implementation in turn.
+    The sequence is "setup", the example's ops, then "final" (which reads what is compared at
+    the end); `setup(impl)` returns the state the other two take: `apply(impl, state, op)` and
+    `final(impl, state)` return an op's JSON-able value.  An implementation stops at its first
+    raise; dptc's then runs the rest of the sequence unchecked (result["dptc_after_raise"]:
+    each op's error or None), since a raise must leave a process that goes on without crashing
+    or hanging.  example["torch_stop"], where given, is the index of the first op torch's
+    cannot run: its sequence ends before it.  Afterwards dptc's groups are renewed where one
+    failed (renew_failed_dptc_groups)."""
+    result = {}
+    for impl in impls:
+        outcomes = result[impl] = []
+        state = None
+        steps = [{"op": "setup"}] + list(example["ops"]) + [{"op": "final"}]
+        if impl == "torch" and "torch_stop" in example:
+            steps = steps[:example["torch_stop"] + 1]
+        for index, op in enumerate(steps):
+            note(f"{impl} op {index} {json.dumps(op)}")
+            try:
+                if op["op"] == "setup":
+                    state, value = setup(impl), None
+                elif op["op"] == "final":
+                    value = final(impl, state)
+                else:
+                    value = apply(impl, state, op)
+                outcomes.append({"op": op["op"], "ok": True, "value": value})
+            except Exception as error:  # noqa: BLE001 - every raise is an outcome to compare
+                note(f"{impl} op {index} raised {error_text(error)}")
+                outcomes.append({"op": op["op"], "ok": False, "error": error_text(error),
+                                 "traceback": traceback.format_exc()[-2000:]})
+                if impl == "dptc" and op["op"] != "setup":
+                    result["dptc_after_raise"] = _after_raise(steps[index + 1:], state, apply,
+                                                              final, note)
+                break
+        note(f"{impl} done")
+        del state
+        gc.collect()
+    if renew_failed_dptc_groups():
+        result["dptc_group_renewed"] = True
+    return result
+
+
+def _after_raise(steps, state, apply, final, note) -> list:
+    errors = []
+    for op in steps:
+        note(f"dptc after raise {json.dumps(op)}")
+        try:
+            if op["op"] == "final":
+                final("dptc", state)
+            else:
+                apply("dptc", state, op)
+            errors.append(None)
+        except Exception as error:  # noqa: BLE001 - any raise is fine here
+            errors.append(error_text(error))
+    return errors
 
 
 def renew_failed_dptc_groups() -> bool:
@@ -488,3 +556,48 @@ def skipped_from_env() -> set:
     """The names in DPTC_FUZZ_SKIP (comma-separated): ops or known findings to leave out."""
     return {name.strip() for name in os.environ.get("DPTC_FUZZ_SKIP", "").split(",")
             if name.strip()}
+
+
+def label(progress_line):
+    """RankServers' label: the implementation a rank's progress line names."""
+    word = progress_line.split(" ", 1)[0]
+    return word if word in ("torch", "dptc") else None
+
+
+def disagreement(problems: list, results: list, preface: str = "") -> AssertionError:
+    """The finding for compare's problems: the first ten, and the tracebacks of the last op
+    of the first two outcomes that raised."""
+    tracebacks = [f"{impl} rank {rank}:\n{outcome['traceback']}"
+                  for rank, result in enumerate(results) for impl in ("dptc", "torch")
+                  for outcome in result[impl][-1:] if not outcome["ok"]]
+    return AssertionError("dptc and torch disagree:\n" + preface + "\n".join(problems[:10])
+                          + ("\n" + "\n".join(tracebacks[:2]) if tracebacks else ""))
+
+
+def run_fuzz_test(name, target, world_size, strategy, check, *, ci_examples, explicit=(),
+                  example_timeout, report=None):
+    """A fuzz test's body: rank servers of `target`, then `fuzz` of strategy with
+    check(servers, example), ci_examples examples (or the budget DPTC_FUZZ_EXAMPLES /
+    DPTC_FUZZ_SECONDS gives) from the seed DPTC_FUZZ_SEED (default 0) after the explicit
+    examples.  Prints "fuzz <name>: N examples ..." (and whatever report() returns), then
+    asserts: no finding, the whole budget run, the servers stopped cleanly."""
+    max_examples, seconds = budget_from_env(ci_examples)
+    seed = int(os.environ.get("DPTC_FUZZ_SEED", "0"))
+    began = time.monotonic()
+    with RankServers(target, world_size, example_timeout=example_timeout,
+                     label=label) as servers:
+        try:
+            stats = fuzz(strategy, lambda example: check(servers, example),
+                         max_examples=max_examples, seconds=seconds, seed=seed,
+                         explicit=explicit)
+        finally:
+            stop_problems = servers.close()
+            print(f"\nfuzz {name}: {servers.starts} rank server start(s) "
+                  f"({servers.start_seconds:.1f} s), {time.monotonic() - began:.1f} s in all")
+    print(f"fuzz {name}: {stats['examples']} examples in {stats['rounds']} round(s), "
+          f"{stats['seconds']:.1f} s, {len(stats['failures'])} finding(s)")
+    if report is not None:
+        print(report())
+    assert not stats["failures"], "\n\n".join(stats["failures"])
+    assert stats["examples"] >= max_examples + len(explicit), stats
+    assert not stop_problems, "\n".join(stop_problems)

@@ -29,7 +29,7 @@ acceptable, each with its reason; KNOWN_FINDINGS lists the dptc bugs found and n
 fixed (none now).
 
 Budget: CI runs the EXPLICIT examples (the minimal sequences of the findings fixed so far) and
-CI_EXAMPLES generated examples from a fixed seed, about 35 s with the ranks' start-up on the
+CI_EXAMPLES generated examples from a fixed seed, about 18 s with the ranks' start-up on the
 development machine (2 cores, when nothing else runs).  Longer searches:
     DPTC_FUZZ_EXAMPLES=2000 python -m pytest tests/test_fuzz_ddp.py -s
     DPTC_FUZZ_SECONDS=1800 python -m pytest tests/test_fuzz_ddp.py -s
@@ -41,9 +41,6 @@ known findings;
 DPTC_FUZZ_VERBOSE=1 logs every example.  The test prints "fuzz ddp: N examples ..." (run
 with -s).
 """
-
-import os
-import time
 
 from hypothesis import strategies as st
 
@@ -323,11 +320,6 @@ def _until_torch_limit(example, result):
 KNOWN_FINDINGS = {}
 
 
-def _label(progress_line):
-    word = progress_line.split(" ", 1)[0]
-    return word if word in ("torch", "dptc") else None
-
-
 def _check(servers, example):
     skip = _fuzz.skipped_from_env()
     if any(known(example) for name, known in KNOWN_FINDINGS.items() if name in skip):
@@ -341,13 +333,9 @@ def _check(servers, example):
     results = [_until_torch_limit(example, result) for result in results]
     problems = _fuzz.compare(results, TOLERANCE[example["config"]["dtype"]])
     if problems:
-        tracebacks = [f"{impl} rank {rank}:\n{outcome['traceback']}"
-                      for rank, result in enumerate(results) for impl in ("dptc", "torch")
-                      for outcome in result[impl][-1:] if not outcome["ok"]]
         stopped = ("" if stop is None else f"(torch's sequence stopped before op {stop + 1}, "
                    f"see torch_stop)\n")
-        raise AssertionError("dptc and torch disagree:\n" + stopped + "\n".join(problems[:10])
-                             + ("\n" + "\n".join(tracebacks[:2]) if tracebacks else ""))
+        raise _fuzz.disagreement(problems, results, stopped)
 
 
 # The minimal sequences of the findings fixed so far, run first in every run (as explicit
@@ -367,21 +355,6 @@ def test_fuzz_ddp_matches_torch():
     """CI_EXAMPLES generated sequences (DPTC_FUZZ_EXAMPLES / DPTC_FUZZ_SECONDS for more) and
     the EXPLICIT ones: no crash, no hang, and every sequence raises in both implementations
     or ends with the same losses, gradients, parameters and buffers."""
-    max_examples, seconds = _fuzz.budget_from_env(CI_EXAMPLES)
-    seed = int(os.environ.get("DPTC_FUZZ_SEED", "0"))
-    began = time.monotonic()
-    with _fuzz.RankServers(TARGET, WORLD_SIZE, example_timeout=EXAMPLE_TIMEOUT_S,
-                           label=_label) as servers:
-        try:
-            stats = _fuzz.fuzz(examples(), lambda example: _check(servers, example),
-                               max_examples=max_examples, seconds=seconds, seed=seed,
-                               explicit=EXPLICIT)
-        finally:
-            stop_problems = servers.close()
-            print(f"\nfuzz ddp: {servers.starts} rank server start(s) "
-                  f"({servers.start_seconds:.1f} s), {time.monotonic() - began:.1f} s in all")
-    print(f"fuzz ddp: {stats['examples']} examples in {stats['rounds']} round(s), "
-          f"{stats['seconds']:.1f} s, {len(stats['failures'])} finding(s)")
-    assert not stats["failures"], "\n\n".join(stats["failures"])
-    assert stats["examples"] >= max_examples, stats
-    assert not stop_problems, "\n".join(stop_problems)
+    _fuzz.run_fuzz_test("ddp", TARGET, WORLD_SIZE, examples(), _check,
+                        ci_examples=CI_EXAMPLES, explicit=EXPLICIT,
+                        example_timeout=EXAMPLE_TIMEOUT_S)

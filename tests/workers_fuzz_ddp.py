@@ -34,9 +34,6 @@ no more: a raise in any call must leave a process that can go on without crashin
 hanging.
 """
 
-import gc
-import json
-import traceback
 
 import torch
 import torch.nn as nn
@@ -187,67 +184,23 @@ def _final(model):
     return out
 
 
-def _error(error) -> str:
-    return f"{type(error).__name__}: {str(error)[:500]}"
-
-
-def _after_raise(steps, model, optimizer, rank, config, held, note):
-    """dptc's model goes on with the rest of the sequence after a raise: nothing is
-    compared any more (torch's stopped), but it must not crash or hang.  Returns the ops'
-    errors (None where an op returned)."""
-    errors = []
-    for op in steps:
-        note(f"dptc after raise {json.dumps(op)}")
-        try:
-            if op["op"] == "final":
-                _final(model)
-            else:
-                _apply(op, model, optimizer, rank, config, held)
-            errors.append(None)
-        except Exception as error:  # noqa: BLE001 - any raise is fine here
-            errors.append(_error(error))
-    return errors
-
-
 def run_example(example, note):
     """{impl: [outcome per op]} for this rank (see the module docstring)."""
     import torch.distributed as dist
     rank = dist.get_rank()
-    config, ops = example["config"], example["ops"]
-    result = {}
-    for impl in IMPLS:
-        outcomes = result[impl] = []
-        model = optimizer = None
-        held = {"losses": [], "states": []}
-        steps = [{"op": "setup"}] + list(ops) + [{"op": "final"}]
-        if impl == "torch" and "torch_stop" in example:
-            steps = steps[:example["torch_stop"] + 1]
-        for index, op in enumerate(steps):
-            note(f"{impl} op {index} {json.dumps(op)}")
-            try:
-                if op["op"] == "setup":
-                    model, optimizer = _wrap(_build(config, rank), impl, config)
-                    value = None
-                elif op["op"] == "final":
-                    value = _final(model)
-                else:
-                    value = _apply(op, model, optimizer, rank, config, held)
-                outcomes.append({"op": op["op"], "ok": True, "value": value})
-            except Exception as error:  # noqa: BLE001 - every raise is an outcome to compare
-                note(f"{impl} op {index} raised {_error(error)}")
-                outcomes.append({"op": op["op"], "ok": False, "error": _error(error),
-                                 "traceback": traceback.format_exc()[-2000:]})
-                if impl == "dptc" and op["op"] != "setup":
-                    result["dptc_after_raise"] = _after_raise(steps[index + 1:], model,
-                                                              optimizer, rank, config, held,
-                                                              note)
-                break
-        note(f"{impl} done")
-        del model, optimizer, held
-        gc.collect()
-    if _fuzz.renew_failed_dptc_groups():
-        result["dptc_group_renewed"] = True
-    return result
+    config = example["config"]
+
+    def setup(impl):
+        model, optimizer = _wrap(_build(config, rank), impl, config)
+        return {"model": model, "optimizer": optimizer, "held": {"losses": [], "states": []}}
+
+    def apply(impl, state, op):
+        return _apply(op, state["model"], state["optimizer"], rank, config, state["held"])
+
+    def final(impl, state):
+        return _final(state["model"])
+
+    return _fuzz.run_impls(example, note, setup, apply, final, IMPLS)
 
 
 def serve(directory):

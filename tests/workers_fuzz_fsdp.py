@@ -34,9 +34,6 @@ chunk (gradient sync back on for the last chunk), is resharded, and the hidden s
 gradient is back-propagated into the rest of the model.
 """
 
-import gc
-import json
-import traceback
 
 import torch
 import torch.nn as nn
@@ -269,63 +266,25 @@ def _apply(op, model, optimizer, rank, held):
     raise ValueError(f"unknown op {name!r}")
 
 
-def _error(error) -> str:
-    return f"{type(error).__name__}: {str(error)[:500]}"
-
-
-def _after_raise(steps, model, optimizer, rank, held, note):
-    """dptc's model goes on with the rest of the sequence after a raise: nothing is
-    compared any more (torch's stopped), but it must not crash or hang.  Returns the ops'
-    errors (None where an op returned)."""
-    errors = []
-    for op in steps:
-        note(f"dptc after raise {json.dumps(op)}")
-        try:
-            if op["op"] == "final":
-                _read(model, grads=True)
-            else:
-                _apply(op, model, optimizer, rank, held)
-            errors.append(None)
-        except Exception as error:  # noqa: BLE001 - any raise is fine here
-            errors.append(_error(error))
-    return errors
-
-
 def run_example(example, note):
-    """{impl: [outcome per op]} for this rank (see the module docstring)."""
+    """{impl: [outcome per op]} for this rank (see the module docstring); example["impls"]
+    may name one implementation alone (dptc's, where torch's own run crashed or hung)."""
     import torch.distributed as dist
     rank = dist.get_rank()
-    config, ops = example["config"], example["ops"]
-    result = {}
-    for impl in example.get("impls", IMPLS):
-        outcomes = result[impl] = []
-        model = optimizer = None
-        held = {"losses": [], "handles": []}
-        steps = [{"op": "setup"}] + list(ops) + [{"op": "final"}]
-        for index, op in enumerate(steps):
-            note(f"{impl} op {index} {json.dumps(op)}")
-            try:
-                if op["op"] == "setup":
-                    model = _build(config)
-                    optimizer = _shard(model, impl, config)
-                    value = None
-                elif op["op"] == "final":
-                    value = _read(model, grads=True)
-                else:
-                    value = _apply(op, model, optimizer, rank, held)
-                outcomes.append({"op": op["op"], "ok": True, "value": value})
-            except Exception as error:  # noqa: BLE001 - every raise is an outcome to compare
-                note(f"{impl} op {index} raised {_error(error)}")
-                outcomes.append({"op": op["op"], "ok": False, "error": _error(error),
-                                 "traceback": traceback.format_exc()[-2000:]})
-                if impl == "dptc" and op["op"] != "setup":
-                    result["dptc_after_raise"] = _after_raise(steps[index + 1:], model,
-                                                              optimizer, rank, held, note)
-                break
-        note(f"{impl} done")
-        del model, optimizer, held
-        gc.collect()
-    return result
+    config = example["config"]
+
+    def setup(impl):
+        model = _build(config)
+        optimizer = _shard(model, impl, config)
+        return {"model": model, "optimizer": optimizer, "held": {"losses": [], "handles": []}}
+
+    def apply(impl, state, op):
+        return _apply(op, state["model"], state["optimizer"], rank, state["held"])
+
+    def final(impl, state):
+        return _read(state["model"], grads=True)
+
+    return _fuzz.run_impls(example, note, setup, apply, final, example.get("impls", IMPLS))
 
 
 def serve(directory):
