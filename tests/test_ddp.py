@@ -40,6 +40,7 @@ import pytest
 import torch
 
 from tests._launch import once, run_ranks
+from tests._compare import max_rel
 
 IMPLS = ("torch", "dptc")
 RANK_AGREEMENT = 1e-6
@@ -165,18 +166,6 @@ def _params(result):
             for name, values in result["params"].items()}
 
 
-def max_rel_diff(actual, expected):
-    """max over names of max|a - e| / max|e| (zero-size tensors skipped)."""
-    worst = 0.0
-    for name, want in expected.items():
-        got = actual[name]
-        assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-        if want.numel():
-            scale = want.abs().max().clamp_min(1e-30)
-            worst = max(worst, ((got - want).abs().max() / scale).item())
-    return worst
-
-
 def _fmt(values):
     return "[" + ", ".join(f"{value:.2e}" for value in values) + "]"
 
@@ -192,7 +181,7 @@ def test_matches_single_process(impl, group, name):
     ref_rel = [result["ref_rel"] for result in per_rank]
     grad_rel = [result["grad_rel"] for result in per_rank]
     rank0 = _params(per_rank[0])
-    spread = [max_rel_diff(_params(result), rank0) for result in per_rank[1:]]
+    spread = [max_rel(_params(result), rank0) for result in per_rank[1:]]
     print(f"{impl} ws={len(per_rank)} {name}: params vs reference {_fmt(ref_rel)}, "
           f"grads vs reference {_fmt(grad_rel)}, ranks vs rank 0 {_fmt(spread)}, "
           f"{per_rank[0]['seconds']:.2f} s")
@@ -379,7 +368,7 @@ def test_agrees_with_peer(impl, group, name):
     mine = _scenario_results(impl, group, name)
     peer = _scenario_results("torch", group, name)
     tolerance = TOLERANCES.get(name, FLOAT32).peer
-    diffs = [max_rel_diff(_params(a), _params(b)) for a, b in zip(mine, peer)]
+    diffs = [max_rel(_params(a), _params(b)) for a, b in zip(mine, peer)]
     print(f"{impl} vs torch {name}: parameters differ by {_fmt(diffs)} per rank")
     assert max(diffs) <= tolerance, (
         f"{impl} and torch DDP differ by {_fmt(diffs)} (tolerance {tolerance:.0e})")

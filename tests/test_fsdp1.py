@@ -85,13 +85,8 @@ def test_bf16_mixed_precision_matches_torch():
     mine = _results("dptc", 2, 1)[0]["FULL_SHARD+bf16"]
     theirs = _results("torch", 2, 1)[0]["FULL_SHARD+bf16"]
     assert mine["ok"] and theirs["ok"], (mine.get("error"), theirs.get("error"))
-    worst = _rel(mine["params"], theirs["params"])
+    worst = max_rel(mine["params"], theirs["params"])
     assert worst <= 1e-6, worst
-
-
-def _rel(values, refs):
-    """max_rel over lists of flattened tensors, matched by position."""
-    return max_rel(dict(enumerate(values)), dict(enumerate(refs)))
 
 
 def test_keep_low_precision_grads_as_torch():
@@ -110,13 +105,13 @@ def test_keep_low_precision_grads_as_torch():
         untied, untied_torch = mine["low_precision_grads"], theirs["low_precision_grads"]
         for step, (a, b) in enumerate(zip(untied["steps"], untied_torch["steps"])):
             assert a["dtypes"] == b["dtypes"] == ["torch.bfloat16"], (step, a["dtypes"])
-            assert _rel(a["grads"], b["grads"]) <= 1e-6, step
-        assert _rel(untied["params"], untied_torch["params"]) <= 1e-6
+            assert max_rel(a["grads"], b["grads"]) <= 1e-6, step
+        assert max_rel(untied["params"], untied_torch["params"]) <= 1e-6
         tied, tied_torch = (r["low_precision_grads_tied"]["steps"][0] for r in (mine, theirs))
         assert tied["dtypes"] == ["torch.bfloat16"] and tied_torch["dtypes"] == ["torch.float32"]
         rounded = [torch.tensor(g).float().bfloat16().double().tolist()
                    for g in tied_torch["grads"]]
-        assert _rel(tied["grads"], rounded) == 0.0
+        assert max_rel(tied["grads"], rounded) == 0.0
 
 
 def test_summon_full_params_and_state_dicts():
@@ -184,14 +179,14 @@ def test_dcp_checkpoint_as_torchs_tutorial(tmp_path):
                              args={"impl": "dptc", "path": str(tmp_path)})
     for rank, (want, got) in enumerate(zip(torch_results, dptc_results)):
         assert got["keys"] == want["keys"], (rank, got["keys"], want["keys"])
-        assert _rel(got["from_own"], got["continued"]) == 0.0, rank
-        assert _rel(got["continued"], want["continued"]) <= 1e-6, rank
-        assert _rel(got["from_torch"], want["continued"]) <= 1e-6, rank
+        assert max_rel(got["from_own"], got["continued"]) == 0.0, rank
+        assert max_rel(got["continued"], want["continued"]) <= 1e-6, rank
+        assert max_rel(got["from_torch"], want["continued"]) <= 1e-6, rank
         # torch.distributed.checkpoint.state_dict's helpers: torch's names, and a resume.
         assert got["dsd_model_keys"] == want["dsd_model_keys"], rank
         assert got["dsd_optim_keys"] == want["dsd_optim_keys"], rank
         assert not any("_fsdp_wrapped_module" in key for key in got["dsd_optim_keys"]), rank
-        assert _rel(got["from_own_dsd"], got["continued"]) == 0.0, rank
+        assert max_rel(got["from_own_dsd"], got["continued"]) == 0.0, rank
         # By default the helpers give shards, as torch's FSDP1 does: every tensor of either
         # state is one, and a rank holds half of the elements (torch.chunk halves every dim 0
         # of this model).
@@ -204,13 +199,13 @@ def test_dcp_checkpoint_as_torchs_tutorial(tmp_path):
         assert got["dsd_held"]["model"][2] == count, (rank, got["dsd_held"])
         # full_state_dict=True: the full tensors on every rank, torch's values.
         assert sorted(got["dsd_full"]) == sorted(want["dsd_full"]), rank
-        assert _rel(list(got["dsd_full"].values()),
+        assert max_rel(list(got["dsd_full"].values()),
                     [want["dsd_full"][key] for key in got["dsd_full"]]) <= 1e-6, rank
         # With cpu_offload=True rank 0 alone holds them.
         assert got["dsd_rank0_held"] == (got["dsd_full_held"] if rank == 0 else
                                          {"model": [0, 0, 0], "optim": [0, 0, 0]}), rank
-        assert _rel(got["from_full_dsd"], got["continued"]) == 0.0, rank
-        assert _rel(got["from_rank0_dsd"], got["continued"]) == 0.0, rank
+        assert max_rel(got["from_full_dsd"], got["continued"]) == 0.0, rank
+        assert max_rel(got["from_rank0_dsd"], got["continued"]) == 0.0, rank
 
 
 def test_hybrid_shard_two_torchrun_nodes():
@@ -484,7 +479,7 @@ def test_post_accumulate_grad_hooks_refused_as_torch_never_runs_them_on_params(r
                          "unreduced gradient", "remove()", "blocks.0.attn.qkv.weight"):
                 assert part in message, (part, message)
             assert ("dptc.fully_shard" in message) == (register != "register_hook"), message
-            assert _rel(case["params"], reference[setting]["params"]) <= 1e-6, (rank, setting)
+            assert max_rel(case["params"], reference[setting]["params"]) <= 1e-6, (rank, setting)
     # The flat parameters' gradients are this rank's own: they differ between the ranks.
     sums = [sorted(total for _, total in r["use_orig_params=False"]["calls"]) for r in theirs]
     assert sums[0] != sums[1], sums
@@ -513,8 +508,8 @@ def test_batch_norm_left_in_full_precision_as_torchs():
             assert got["instances"] == want["instances"] == 5, (case, got["instances"])
             assert got["buffer_dtypes"] == want["buffer_dtypes"], (rank, case)
             assert got["buffer_dtypes"]["0.norm.running_mean"] == "torch.float32", case
-            assert _rel(got["params"], want["params"]) <= 1e-6, (rank, case)
-            assert _rel(got["buffers"], want["buffers"]) <= 1e-6, (rank, case)
+            assert max_rel(got["params"], want["params"]) <= 1e-6, (rank, case)
+            assert max_rel(got["buffers"], want["buffers"]) <= 1e-6, (rank, case)
         assert result["lambda/bf16"]["buffer_dtypes"]["0.scale"] == "torch.bfloat16"
 
 
@@ -553,7 +548,7 @@ def test_forward_inside_summon_full_params_as_torchs():
             (logits, loss), (want_logits, want_loss) = result[case], reference[case]
             assert isinstance(want_logits[0], float), (case, want_logits)
             assert isinstance(logits[0], float), (rank, case, logits)
-            assert _rel([logits], [want_logits]) <= 1e-6, (rank, case)
+            assert max_rel([logits], [want_logits]) <= 1e-6, (rank, case)
             assert abs(loss - want_loss) <= 1e-6 * abs(want_loss), (rank, case, loss, want_loss)
         assert result["nested"][0] == reference["nested"][0] == "AssertionError", \
             (result["nested"], reference["nested"])
@@ -597,8 +592,8 @@ def test_instance_wrapped_by_hand_casts_inputs_as_a_nested_one():
         assert "error" not in result, (rank, result["error"])
         for step, (got, want) in enumerate(zip(result["steps"], reference["steps"])):
             assert got[0] == want[0] == "torch.float32", (rank, step, got[0], want[0])
-            assert _rel([got[1]], [want[1]]) <= 1e-6, (rank, step)
-        assert _rel(result["params"], reference["params"]) <= 1e-6, rank
+            assert max_rel([got[1]], [want[1]]) <= 1e-6, (rank, step)
+        assert max_rel(result["params"], reference["params"]) <= 1e-6, rank
 
 
 def test_load_state_dict_reports_keys_as_torchs():

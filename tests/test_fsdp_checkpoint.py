@@ -33,7 +33,8 @@ import torch
 
 from examples.gpt import build_gpt
 from tests._launch import once, run_ranks
-from tests.workers_fsdp_checkpoint import STEPS_AFTER, STEPS_BEFORE, max_rel_by_key
+from tests._compare import max_rel
+from tests.workers_fsdp_checkpoint import STEPS_AFTER, STEPS_BEFORE
 
 LAUNCH_TIMEOUT_S = 240
 FLOAT64_TOLERANCE = 1e-10
@@ -250,9 +251,9 @@ def test_dcp_resume_other_world_size(launches, world_size):
         _check_resumed(result["dptc_sync"], FLOAT64_TOLERANCE, rank)
     resumed = launches.load(f"dptc_ws{world_size}_from_dptc_sync.pt")
     uninterrupted = launches.load(f"dptc_ws{world_size}_final.pt")
-    assert max_rel_by_key(resumed, uninterrupted) <= FLOAT64_TOLERANCE
-    assert max_rel_by_key(resumed, final_ws2) <= FLOAT64_TOLERANCE
-    assert max_rel_by_key(uninterrupted, final_ws2) <= FLOAT64_TOLERANCE
+    assert max_rel(resumed, uninterrupted) <= FLOAT64_TOLERANCE
+    assert max_rel(resumed, final_ws2) <= FLOAT64_TOLERANCE
+    assert max_rel(uninterrupted, final_ws2) <= FLOAT64_TOLERANCE
 
 
 def test_dcp_resume_into_other_placements(launches):
@@ -263,7 +264,7 @@ def test_dcp_resume_into_other_placements(launches):
     for rank, result in enumerate(launches.phase("dptc", 3, "resume_shard_last")):
         _check_resumed(result, FLOAT64_TOLERANCE, rank)
     resumed = launches.load("dptc_ws3_from_dptc_shard_last.pt")
-    assert max_rel_by_key(resumed, launches.load("dptc_ws3_final.pt")) <= FLOAT64_TOLERANCE
+    assert max_rel(resumed, launches.load("dptc_ws3_final.pt")) <= FLOAT64_TOLERANCE
 
 
 @pytest.mark.parametrize("impl", ["dptc", "torch"])
@@ -347,8 +348,8 @@ def test_torch_checkpoint_loads_into_dptc(launches, world_size):
     for rank, result in enumerate(launches.phase("dptc", world_size, "resume_torch")):
         _check_resumed(result["torch_sync"], FLOAT64_TOLERANCE, rank)
     resumed = launches.load(f"dptc_ws{world_size}_from_torch_sync.pt")
-    assert max_rel_by_key(resumed, launches.load("torch_ws2_final.pt")) <= FLOAT64_TOLERANCE
-    assert max_rel_by_key(resumed, launches.load(f"dptc_ws{world_size}_final.pt")) \
+    assert max_rel(resumed, launches.load("torch_ws2_final.pt")) <= FLOAT64_TOLERANCE
+    assert max_rel(resumed, launches.load(f"dptc_ws{world_size}_final.pt")) \
         <= FLOAT64_TOLERANCE
 
 
@@ -359,8 +360,8 @@ def test_dptc_checkpoint_loads_into_torch(launches):
     for rank, result in enumerate(launches.phase("torch", 2, "resume_dptc")):
         _check_resumed(result["dptc_sync"], FLOAT64_TOLERANCE, rank)
     resumed = launches.load("torch_ws2_from_dptc_sync.pt")
-    assert max_rel_by_key(resumed, launches.load("dptc_ws2_final.pt")) <= FLOAT64_TOLERANCE
-    assert max_rel_by_key(resumed, launches.load("torch_ws2_final.pt")) <= FLOAT64_TOLERANCE
+    assert max_rel(resumed, launches.load("dptc_ws2_final.pt")) <= FLOAT64_TOLERANCE
+    assert max_rel(resumed, launches.load("torch_ws2_final.pt")) <= FLOAT64_TOLERANCE
 
 
 def test_state_dict_after_eval_forward_is_sharded():

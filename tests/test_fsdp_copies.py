@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests._launch import run_ranks
+from tests._compare import max_rel
 
 LAUNCH_TIMEOUT_S = 240
 # float64 GPT, 2 ranks: the ranks sum gradients in another order than the single process.
@@ -29,17 +30,6 @@ def _runs(kind):
                        args={"impl": "torch", "kind": kind}, timeout=LAUNCH_TIMEOUT_S,
                        reference=True)
     return mine, theirs
-
-
-def _max_rel(values, refs):
-    worst = 0.0
-    for value, ref in zip(values, refs):
-        value, ref = torch.tensor(value, dtype=torch.float64), torch.tensor(ref,
-                                                                            dtype=torch.float64)
-        scale = ref.abs().max().item()
-        diff = (value - ref).abs().max().item()
-        worst = max(worst, diff / scale if scale else diff)
-    return worst
 
 
 REMEDIES = {
@@ -97,5 +87,5 @@ def test_remedies_train_as_torchs(kind):
         assert abs(result["ema_loss"] - result["ref_ema_loss"]) < 1e-12, rank
         assert result["ema_loss"] == reference["ema_loss"], rank
         for name in ("model", "best", "ema"):
-            assert _max_rel(result["params"][name], reference["params"][name]) == 0.0, \
+            assert max_rel(result["params"][name], reference["params"][name]) == 0.0, \
                 (rank, name)

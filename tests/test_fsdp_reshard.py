@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests._launch import run_ranks
+from tests._compare import max_rel
 
 TIMEOUT_S = 180
 FLOAT64_TOLERANCE = 1e-10
@@ -62,14 +63,6 @@ def _check_groups(results, layout, world, k, tp):
             assert names.setdefault(name, ranks) == ranks, (rank, name, ranks, names[name])
 
 
-def _max_rel(mine, theirs):
-    worst = 0.0
-    for a, b in zip(mine, theirs):
-        a, b = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
-        worst = max(worst, ((a - b).abs().max() / b.abs().max()).item())
-    return worst
-
-
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_reshard_to_blocks_matches_torch(name):
     """reshard_after_forward=2 on every unit at 4 ranks, over a 1-D mesh, the shard dim of a
@@ -83,7 +76,7 @@ def test_reshard_to_blocks_matches_torch(name):
     for rank in range(world):
         assert mine[rank]["ref_rel"] <= FLOAT64_TOLERANCE, (rank, mine[rank]["ref_rel"])
         assert theirs[rank]["ref_rel"] <= FLOAT64_TOLERANCE, (rank, theirs[rank]["ref_rel"])
-        worst = _max_rel(mine[rank]["params"], theirs[rank]["params"])
+        worst = max_rel(mine[rank]["params"], theirs[rank]["params"])
         assert worst <= FLOAT64_TOLERANCE, (rank, worst)
 
 

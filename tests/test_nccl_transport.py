@@ -227,7 +227,7 @@ def test_fully_shard_units_run_on_the_nccl_engine(fake):
     on the set_post_optim_event event."""
     result = _run(fake, """
         import copy
-        from tests.workers_fsdp import max_rel
+        from tests._compare import max_rel
         world_of_one()
         import dptc
         from dptc.fsdp import _unit
@@ -296,7 +296,7 @@ def test_ddp_buckets_on_the_nccl_engine(fake, as_view):
     under find_unused_parameters=True, its used map all-reduced on the device."""
     result = _run(fake, f"""
         import copy
-        from tests.workers_fsdp import max_rel
+        from tests._compare import max_rel
         world_of_one()
         import dptc
         from dptc import ddp

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests._launch import once, run_ranks, run_torchrun_nodes
+from tests._compare import max_rel
 
 SEED = 11
 LAUNCH_TIMEOUT_S = 120
@@ -139,11 +140,6 @@ REPLICA_AGREEMENT = 1e-6
 REPLICAS_DIFFER = 1e-3
 
 
-def _max_rel(a, b):
-    scale = max(abs(x) for x in b) or 1.0
-    return max(abs(x - y) for x, y in zip(a, b)) / scale
-
-
 def test_ddp_on_subgroups(impl):
     """Replicas over [0, 1] and [2, 3] (process_group=), 3 SGD steps on per-rank batches: each
     rank's parameters equal single-process SGD on its two members' batches concatenated; the
@@ -162,10 +158,10 @@ def test_ddp_on_subgroups(impl):
                 problems.append(f"{kind}: rank {rank}: training moved the parameters by only "
                                 f"{result['moved']:.3g} (test setup)")
         for a, b in ((0, 1), (2, 3)):
-            rel = _max_rel(per_rank[b]["params"], per_rank[a]["params"])
+            rel = max_rel([per_rank[b]["params"]], [per_rank[a]["params"]])
             if not rel <= REPLICA_AGREEMENT:
                 problems.append(f"{kind}: ranks {a} and {b} (one replica) differ by {rel:.3g}")
-        rel = _max_rel(per_rank[2]["params"], per_rank[0]["params"])
+        rel = max_rel([per_rank[2]["params"]], [per_rank[0]["params"]])
         if not rel > REPLICAS_DIFFER:
             problems.append(f"{kind}: replicas [0, 1] and [2, 3] differ by only {rel:.3g}; "
                             f"they trained on different batches")

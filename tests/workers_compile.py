@@ -24,7 +24,8 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from examples.gpt import Block, PermutationWalk, build_gpt
 from tests._rank import load_impl
-from tests.workers_fsdp import _full, max_rel
+from tests._compare import max_rel
+from tests.workers_fsdp import _full
 
 __all__ = ["train_cases", "SCENARIOS"]
 

@@ -42,6 +42,7 @@ from tests._rank import load_impl, start_clock
 
 # The tiny GPT comes from the example, so the tests exercise the model the project ships.
 from examples.gpt import GPT, build_gpt
+from tests._compare import max_rel
 
 __all__ = ["SCENARIOS", "BUFFER_SYNC_CASES", "train_cases", "missing_grad_case",
            "buffer_sync_cases"]
@@ -445,21 +446,6 @@ def _take(batch, rows):
     return tuple(part[rows] for part in batch)
 
 
-def max_rel_diff(actual, expected):
-    """max over names of max|a - e| / max|e|, in float64; zero-size tensors are skipped."""
-    worst = 0.0
-    for name, want in expected.items():
-        got = actual[name]
-        if tuple(got.shape) != tuple(want.shape):
-            raise AssertionError(f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}")
-        if want.numel() == 0:
-            continue
-        want, got = want.detach().double(), got.detach().double()
-        scale = want.abs().max().clamp_min(1e-30)
-        worst = max(worst, ((got - want).abs().max() / scale).item())
-    return worst
-
-
 def _flat(tensors):
     return {name: tensor.detach().flatten().tolist() for name, tensor in tensors}
 
@@ -556,7 +542,7 @@ def run_scenario(name, impl, rank, world_size):
         ref_grad_none.append(sorted(n for n, p in reference.named_parameters()
                                     if p.grad is None))
         common = grads.keys() & ref_grads.keys()
-        grad_rel = max(grad_rel, max_rel_diff({n: grads[n] for n in common},
+        grad_rel = max(grad_rel, max_rel({n: grads[n] for n in common},
                                               {n: ref_grads[n] for n in common}))
         for opts, scale in ((optimizers, scaler), (ref_optimizers, ref_scaler)):
             for opt in opts:
@@ -570,7 +556,7 @@ def run_scenario(name, impl, rank, world_size):
 
     result = {
         "ok": True,
-        "ref_rel": max_rel_diff(dict(inner.named_parameters()),
+        "ref_rel": max_rel(dict(inner.named_parameters()),
                                 dict(reference.named_parameters())),
         "params": _flat(inner.named_parameters()),
         "grad_rel": grad_rel,
@@ -584,13 +570,13 @@ def run_scenario(name, impl, rank, world_size):
     if scenario.eval_forward:
         # Training leaves each rank with its own last update of the buffers; rank 0's is the
         # one the reference follows. The next forward starts by broadcasting rank 0's.
-        result["buffer_ref_rel"] = max_rel_diff(dict(inner.named_buffers()),
+        result["buffer_ref_rel"] = max_rel(dict(inner.named_buffers()),
                                                 dict(reference.named_buffers()))
         ddp.eval()
         with torch.no_grad():
             ddp(scenario.batch(_batch_generator(scenario.steps, 0), ROWS_PER_RANK)[0])
         result["buffers"] = _flat(inner.named_buffers())
-        result["eval_buffer_ref_rel"] = max_rel_diff(dict(inner.named_buffers()),
+        result["eval_buffer_ref_rel"] = max_rel(dict(inner.named_buffers()),
                                                      dict(reference.named_buffers()))
     return result
 

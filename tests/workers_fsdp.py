@@ -27,11 +27,11 @@ import torch.nn as nn
 
 from examples.gpt import build_gpt
 from tests._rank import load_impl
+from tests._compare import max_rel
 
 __all__ = ["train_cases", "memory_case", "reduction_memory_case", "methods_case",
            "staging_case", "ring_case", "all_reduce_hook_case", "frozen_reduce_case",
-           "backward_hooks_case", "post_accumulate_hooks_case", "recast_case", "knobs_case",
-           "max_rel"]
+           "backward_hooks_case", "post_accumulate_hooks_case", "recast_case", "knobs_case"]
 
 SEED = 4321
 LR = 1e-3
@@ -236,16 +236,6 @@ def _apply(fsdp, model, scenario, impl):
         for before, after in zip(units[:-2], units[1:-1]):
             before.set_modules_to_forward_prefetch([after])
             after.set_modules_to_backward_prefetch([before])
-
-
-def max_rel(values, refs):
-    """max over pairs of max|value - ref| / max|ref| (the plain difference where ref is 0)."""
-    worst = 0.0
-    for value, ref in zip(values, refs):
-        scale = ref.abs().max().item()
-        diff = (value.double() - ref.double()).abs().max().item()
-        worst = max(worst, diff / scale if scale else diff)
-    return worst
 
 
 def _full(tensor):

@@ -15,7 +15,7 @@ import torch
 
 from examples.gpt import GPT, Block
 from tests._rank import load_impl
-from tests.workers_fsdp import max_rel
+from tests._compare import max_rel
 from tests.workers_fsdp_wrap import build
 
 __all__ = ["strategy_cases", "state_cases"]

@@ -39,9 +39,9 @@ from torch.utils._pytree import tree_map_only
 
 from examples.gpt import build_gpt
 from tests._rank import load_impl
-from tests.workers_fsdp import max_rel
+from tests._compare import max_rel
 
-__all__ = ["checkpoint_cases", "state_dict_after_eval_case", "max_rel_by_key", "PHASES", "STEPS_BEFORE", "STEPS_AFTER",
+__all__ = ["checkpoint_cases", "state_dict_after_eval_case", "PHASES", "STEPS_BEFORE", "STEPS_AFTER",
            "GLOBAL_ROWS"]
 
 SEED = 2024
@@ -136,11 +136,6 @@ def _max_abs(values, refs):
     for key, ref in refs.items():
         worst = max(worst, (values[key].double() - ref.double()).abs().max().item())
     return worst
-
-
-def max_rel_by_key(values, refs):
-    """max over keys of max|v - r| / max|r|."""
-    return max_rel([values[key] for key in refs], list(refs.values()))
 
 
 def _optim_tensors(osd):
@@ -269,7 +264,7 @@ def phase_reset(ctx):
     trained = _full_params(model)
     reference = {name: p.detach() for name, p in eager.named_parameters()}
     # This rank's loss is the mean over its rows; the eager loss is over all of them.
-    return {"trained_rel": max_rel_by_key(trained, reference), "losses": losses,
+    return {"trained_rel": max_rel(trained, reference), "losses": losses,
             "eager_losses": eager_losses,
             "tied": model.tok_emb.weight is model.head.weight}
 
@@ -300,16 +295,16 @@ def phase_train_save(ctx):
         "model_devices": sorted({str(v.device) for v in msd0.values()}),
         "optim_types": sorted({type(v).__name__ for v in _optim_tensors(osd0).values()})
         if osd0 else [],
-        "model_rel": max_rel_by_key(msd0, ref_model) if msd0 else None,
-        "optim_rel": max_rel_by_key(_optim_tensors(osd0), ref_optim) if osd0 else None,
+        "model_rel": max_rel(msd0, ref_model) if msd0 else None,
+        "optim_rel": max_rel(_optim_tensors(osd0), ref_optim) if osd0 else None,
         "optim_key_match": sorted(_optim_tensors(osd0)) == sorted(ref_optim) if osd0 else None,
         "param_groups": [{k: v for k, v in g.items() if k != "params"}
                          for g in osd0.get("param_groups", [])] if osd0 else None,
     }
     result["every_rank"] = {
         "model_keys": len(msd), "model_types": sorted({type(v).__name__ for v in msd.values()}),
-        "model_rel": max_rel_by_key(msd, ref_model),
-        "optim_rel": max_rel_by_key(_optim_tensors(osd), ref_optim),
+        "model_rel": max_rel(msd, ref_model),
+        "optim_rel": max_rel(_optim_tensors(osd), ref_optim),
         "model_key_match": sorted(msd) == sorted(ref_model),
     }
     ctx.save0(f"{ctx.tag}_step{K}.pt", {"model": msd0, "optim": osd0})
@@ -353,7 +348,7 @@ def phase_train_save(ctx):
     ctx.state["trained"] = (model, opt)
     result.update({
         "losses": losses,
-        "ref_rel": max_rel_by_key(final, {n: p.detach() for n, p in ref.named_parameters()}),
+        "ref_rel": max_rel(final, {n: p.detach() for n, p in ref.named_parameters()}),
         "ref_losses": result["ref_losses"] + ref_losses,
     })
     return result
@@ -418,7 +413,7 @@ def _continue(ctx, model, opt, source, label=None):
     result.update({
         "losses": losses,
         "loss_diff": _losses_diff(losses, own_losses[STEPS_BEFORE:]),
-        "param_rel": max_rel_by_key(final, own_final),
+        "param_rel": max_rel(final, own_final),
         "param_abs": _max_abs(final, own_final),
     })
     return result

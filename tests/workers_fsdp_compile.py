@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from examples.gpt import PermutationWalk, build_gpt
 from tests._rank import load_impl
 from tests.workers_compile import _breaks, run_cases
-from tests.workers_fsdp import _full, max_rel
+from tests._compare import max_rel
+from tests.workers_fsdp import _full
 
 __all__ = ["train_cases", "SCENARIOS"]
 

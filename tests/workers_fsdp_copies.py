@@ -26,7 +26,8 @@ from torch.distributed.tensor import DTensor
 
 from examples.gpt import Block
 from tests._rank import load_impl
-from tests.workers_fsdp import ROWS_PER_RANK, SEED, _build, _finish, _full, max_rel
+from tests._compare import max_rel
+from tests.workers_fsdp import ROWS_PER_RANK, SEED, _build, _finish, _full
 
 __all__ = ["copies_case"]
 

@@ -21,7 +21,7 @@ import sys
 import torch
 import torch.nn as nn
 
-from tests.workers_fsdp import max_rel
+from tests._compare import max_rel
 
 __all__ = ["validation_cases", "four_rank_cases", "fault_case"]
 

@@ -20,7 +20,7 @@ import traceback
 import torch
 import torch.nn as nn
 
-from tests.workers_fsdp import max_rel
+from tests._compare import max_rel
 
 __all__ = ["pipeline_case"]
 

@@ -16,7 +16,8 @@ tensor parallelism is torch's own in both).
 import torch
 import torch.nn as nn
 
-from tests.workers_fsdp import _full, max_rel
+from tests._compare import max_rel
+from tests.workers_fsdp import _full
 
 __all__ = ["tp_cases"]
 

@@ -14,7 +14,7 @@ import torch
 
 from examples.gpt import GPT, Block, build_gpt
 from tests._rank import load_impl
-from tests.workers_fsdp import max_rel
+from tests._compare import max_rel
 
 __all__ = ["policy_case", "checkpointing_case", "peak_allocated"]
 

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from tests._rank import load_impl, start_clock
 from tests.workers_collectives import _compare, _reduce, _tolerance, make_input
+from tests._compare import max_rel
 
 __all__ = [
     "GROUPS", "CONCURRENT", "CYCLIC_ORDER", "subgroup_checks", "all_checks", "ddp_replicas",
@@ -534,14 +535,6 @@ def _sgd_step(params):
             p.grad = None
 
 
-def _rel(params, reference):
-    worst = 0.0
-    for p, q in zip(params, reference):
-        scale = float(q.abs().max())
-        worst = max(worst, float((p - q).abs().max()) / (scale if scale > 0 else 1.0))
-    return worst
-
-
 def ddp_replicas(impl: str, kinds=("own",)):
     """Two DDP replicas, over [0, 1] and [2, 3], each rank with its own batches.
 
@@ -575,8 +568,8 @@ def ddp_replicas(impl: str, kinds=("own",)):
         params = [p.detach() for p in model.parameters()]
         result[kind] = {
             "params": torch.cat([p.flatten() for p in params]).tolist(),
-            "ref_rel": _rel(params, [p.detach() for p in reference.parameters()]),
-            "moved": _rel(initial, params),
+            "ref_rel": max_rel(params, [p.detach() for p in reference.parameters()]),
+            "moved": max_rel(initial, params),
             "replica": list(members),
         }
         api.impl.barrier()

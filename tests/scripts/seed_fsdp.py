@@ -53,6 +53,7 @@ else:
     from torch.distributed.fsdp import MixedPrecision, ShardingStrategy, fully_shard
     from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+from tests._compare import max_rel
 
 VOCAB, D_MODEL, LAYERS, HEADS, CTX = 64, 32, 2, 4, 16
 ROWS, STEPS, ACCUM, LR = 4, 3, 2, 1e-3
@@ -189,11 +190,6 @@ def reference(model, data, accum):
             optimizer.step()
             optimizer.zero_grad()
     return [p.detach() for p in model.parameters()]
-
-
-def max_rel(values, refs):
-    return max(((v.double() - r.double()).abs().max() / r.double().abs().max()).item()
-                for v, r in zip(values, refs))
 
 
 def main():
