@@ -493,8 +493,7 @@ dptc_status dptc_group_run(dptc_group *g, int stream_index, const dptc_coll *c,
     pthread_mutex_unlock(&s->lock);
     dptc_work *w;
     CHECK(dptc_group_submit(g, stream_index, c, &w, err));
-    /* The queued work ahead of us has its own deadlines; allow for them. */
-    dptc_status status = dptc_work_wait(w, g->timeout_s * 2 + 1, err);
+    dptc_status status = dptc_work_wait(w, dptc_group_wait_deadline(g), err);
     if (dptc_work_is_completed(w))
         dptc_work_release(w);
     else
@@ -628,3 +627,4 @@ int dptc_group_size(const dptc_group *g) { return g->size; }
 int dptc_group_streams(const dptc_group *g) { return g->nstreams; }
 
 double dptc_group_timeout(const dptc_group *g) { return g->timeout_s; }
+double dptc_group_wait_deadline(const dptc_group *g) { return g->timeout_s * 2 + 1; }

@@ -135,6 +135,10 @@ int dptc_group_rank(const dptc_group *g);
 int dptc_group_size(const dptc_group *g);
 int dptc_group_streams(const dptc_group *g);
 double dptc_group_timeout(const dptc_group *g);
+/* How long a wait for one of the group's works may take before it gives up:
+ * the work's own deadline, plus as long again for the works queued ahead of
+ * it on its stream (each with a deadline of its own), plus a second. */
+double dptc_group_wait_deadline(const dptc_group *g);
 
 /* Queues c on stream.  *out receives a new work reference (release with
  * dptc_work_release).  With a transport that enqueues (see [Note: device

@@ -1107,7 +1107,7 @@ static PyObject *group_submit(GroupObject *self, PyObject *const *args, Py_ssize
     PyObject *outputs = PyList_Check(args[4]) ? PyList_AsTuple(args[4]) : Py_NewRef(args[4]);
     PyObject *keep = outputs ? PyTuple_Pack(2, args[3], outputs) : NULL;
     Py_XDECREF(outputs);
-    double timeout = dptc_group_timeout(g) * 2 + 1;
+    double timeout = dptc_group_wait_deadline(g);
     if (!keep) {
         PyObject *type, *value, *traceback;
         PyErr_Fetch(&type, &value, &traceback);
@@ -1187,8 +1187,7 @@ static PyObject *group_share(GroupObject *self, PyObject *arg)
     if (unfinished) {
         /* It may still use `shared`: leak it. */
         dptc_work_release(unfinished);
-        PyErr_Format(st->timeout_error, "%s", err.message);
-        return NULL;
+        return group_raise(self, st, status == DPTC_OK ? DPTC_ERR_TIMEOUT : status, &err);
     }
     if (status != DPTC_OK) {
         Py_DECREF(shared);

@@ -679,7 +679,7 @@ static void step_end(ReducerObject *r)
         any = r->buckets[i].work != NULL;
     if (any) {
         dptc_group *g = dptc_group_from_object(reducer_state(r), r->group, "process_group");
-        double timeout = g ? dptc_group_timeout(g) * 2 + 1 : 1.0;
+        double timeout = g ? dptc_group_wait_deadline(g) : 1.0;
         PyErr_Clear();
         Py_BEGIN_ALLOW_THREADS
         for (Py_ssize_t i = 0; i < r->nbuckets; i++) {
@@ -1270,7 +1270,7 @@ static dptc_status wait_and_copy_back(ReducerObject *r, dptc_error *err)
     void *stream = NULL;
     if (r->device)
         CHECK(current_stream(r, &stream));
-    double timeout = dptc_group_timeout(g) * 2 + 1;
+    double timeout = dptc_group_wait_deadline(g);
     dptc_status status = DPTC_OK;
     double start = dptc_now();
     /* See [Note: Python comm hooks]. */

@@ -23,25 +23,27 @@ from .collectives import (ReduceOp, all_gather_into_tensor, all_gather_into_tens
 from .group import (ProcessGroup, destroy_process_group, get_rank, get_world_size,
                     init_process_group, is_initialized, new_group)
 
-__all__ = [
-    "DistError", "DistTimeoutError", "PeerLostError", "CollectiveMismatchError",
-    "CudaLibraryError", "ReduceOp", "all_reduce", "broadcast", "all_gather_into_tensor",
-    "reduce_scatter_tensor",
-    "all_gather_single", "reduce_scatter_single", "all_gather_into_tensors", "barrier",
-    "ProcessGroup", "init_process_group", "destroy_process_group", "is_initialized", "new_group",
-    "get_rank", "get_world_size", "DistributedDataParallel", "DDP", "Join",
-    "fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "share_comm_ctx",
-    "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy", "DataParallelMeshDims",
-    "fully_shard_by_policy",
+# What dptc.fsdp holds, imported on first use (see __getattr__).
+_FSDP_NAMES = (
+    "fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method",
+    "share_comm_ctx", "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy",
+    "DataParallelMeshDims", "fully_shard_by_policy",
     "policy_targets", "transformer_auto_wrap_policy", "size_based_auto_wrap_policy",
     "lambda_auto_wrap_policy", "ModuleWrapPolicy", "CustomPolicy", "always_wrap_policy",
     "enable_wrap", "wrap", "checkpoint_wrapper", "apply_activation_checkpointing",
     "CheckpointImpl", "CheckpointWrapper", "FullyShardedDataParallel", "FSDP",
     "ShardingStrategy", "BackwardPrefetch", "MixedPrecision", "CPUOffload", "StateDictType",
     "FullStateDictConfig", "ShardedStateDictConfig",
-]
+)
 
-_FSDP_NAMES = tuple(__all__[__all__.index("fully_shard"):])
+__all__ = [
+    "DistError", "DistTimeoutError", "PeerLostError", "CollectiveMismatchError",
+    "CudaLibraryError", "ReduceOp", "all_reduce", "broadcast", "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "all_gather_single", "reduce_scatter_single", "all_gather_into_tensors", "barrier",
+    "ProcessGroup", "init_process_group", "destroy_process_group", "is_initialized", "new_group",
+    "get_rank", "get_world_size", "DistributedDataParallel", "DDP", "Join", *_FSDP_NAMES,
+]
 
 __version__ = "0.1.0"
 
