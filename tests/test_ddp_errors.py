@@ -45,7 +45,7 @@ def test_constructor_signature_is_torchs():
 
 
 def test_bucket_policy_validates_bucket_cap_mb():
-    from dptc.ddp import BucketPolicy
+    from dptc._buckets import BucketPolicy
     for bad in (-1, -0.5, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="bucket_cap_mb must be >= 0"):
             BucketPolicy.create(bad)
@@ -61,7 +61,7 @@ def test_zero_bucket_cap_is_a_bucket_per_parameter_as_torchs():
     closes its bucket, in torch's bucket assignment as in dptc's."""
     import torch.distributed as dist
 
-    from dptc.ddp import BucketPolicy, assign_buckets
+    from dptc._buckets import BucketPolicy, assign_buckets
     tensors = [torch.zeros(10), torch.zeros(0), torch.zeros(20),
                torch.zeros(3, dtype=torch.float64)]
     order = [3, 2, 1, 0]
@@ -74,7 +74,7 @@ def test_zero_bucket_cap_is_a_bucket_per_parameter_as_torchs():
 
 
 def test_bucket_policy_first_bucket_is_small_only_by_default():
-    from dptc.ddp import BucketPolicy
+    from dptc._buckets import BucketPolicy
     default = BucketPolicy.create(None)
     assert (default.limit(0), default.limit(1), default.limit(5)) == (1 << 20, 25 << 20, 25 << 20)
     chosen = BucketPolicy.create(4)
@@ -84,7 +84,7 @@ def test_bucket_policy_first_bucket_is_small_only_by_default():
 
 
 def test_assign_buckets_orders_by_readiness_and_splits_dtypes():
-    from dptc.ddp import BucketPolicy, assign_buckets
+    from dptc._buckets import BucketPolicy, assign_buckets
     policy = BucketPolicy(bucket_bytes=100, first_bucket_bytes=40)
     nbytes = [30, 30, 30, 60, 60, 8]
     dtypes = [torch.float32] * 5 + [torch.float64]
@@ -100,7 +100,7 @@ def test_assign_buckets_orders_by_readiness_and_splits_dtypes():
 def test_first_buckets_are_torchs():
     """Before the first backward, torch's DDP fills buckets in definition order and launches
     them last-defined first; by default (no find_unused_parameters) one bucket per dtype."""
-    from dptc.ddp import BucketPolicy, first_buckets
+    from dptc._buckets import BucketPolicy, first_buckets
     policy = BucketPolicy(bucket_bytes=100, first_bucket_bytes=40)
     nbytes = [30, 30, 30, 60, 60, 8]
     dtypes = [torch.float32] * 5 + [torch.float64]
