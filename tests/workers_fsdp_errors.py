@@ -426,6 +426,18 @@ def _kept_after_forward():
 # ---------------------------------------------------------------------------------------------
 # 2 or 3 ranks: one rank fails inside a block's forward
 
+def _sharded_net():
+    """dptc's default group, and Net with its 4 blocks and the root fully sharded: (model,
+    rank, world size)."""
+    import dptc
+    dptc.init_process_group()
+    model = _net()
+    for block in model.blocks:
+        dptc.fully_shard(block)
+    dptc.fully_shard(model)
+    return model, dptc.get_rank(), dptc.get_world_size()
+
+
 def fault_case(action, fail_rank=1, fail_step=1, fail_block=2, steps=3, on_error="propagate"):
     """Trains Net (4 blocks and the root sharded) with AdamW; at step `fail_step`,
     rank `fail_rank`'s block `fail_block` raises ValueError ("raise") or SIGKILLs its own
@@ -436,12 +448,7 @@ def fault_case(action, fail_rank=1, fail_step=1, fail_block=2, steps=3, on_error
     catches (the harness itself catches everything to report it)."""
     import dptc
     from tests._rank import start_clock
-    dptc.init_process_group()
-    rank, world = dptc.get_rank(), dptc.get_world_size()
-    model = _net()
-    for block in model.blocks:
-        dptc.fully_shard(block)
-    dptc.fully_shard(model)
+    model, rank, world = _sharded_net()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     generator = torch.Generator().manual_seed(SEED)
     for step in range(steps):
@@ -476,12 +483,7 @@ def failed_gather_case():
     _abandon_on_failure in dptc/fsdp/_unit.py), so that unit's storage must stay allocated,
     where every other unit's is freed."""
     import dptc
-    dptc.init_process_group()
-    rank, world = dptc.get_rank(), dptc.get_world_size()
-    model = _net()
-    for block in model.blocks:
-        dptc.fully_shard(block)
-    dptc.fully_shard(model)
+    model, rank, world = _sharded_net()
     generator = torch.Generator().manual_seed(SEED)
     _step(model, world, rank, generator)
     if rank == 1:
