@@ -17,7 +17,7 @@ typedef struct {
     PyTypeObject *shared_type;     /* dptc._C.SharedBuffer */
     PyTypeObject *reducer_type;    /* dptc._C.Reducer (reducer.c) */
     PyTypeObject *hook_type;       /* dptc._C.GradHook (reducer.c) */
-    PyTypeObject *unit_type;       /* dptc._C.Unit (shard.c) */
+    PyTypeObject *unit_type;       /* dptc._C.Unit (unit.c) */
     /* Exceptions: DistError and its subclasses. */
     PyObject *dist_error;
     PyObject *timeout_error;
@@ -102,7 +102,7 @@ int dptc_cudalib_module_exec(PyObject *module, dptc_module_state *st);
  * when they were not loaded (dptc/_cuda.py loads them first). */
 const dptc_cuda_api *dptc_loaded_cuda(dptc_module_state *st);
 
-/* Implemented by shard.c: adds Unit, FSDP's unit state machine. */
+/* Implemented by unit.c: adds Unit, FSDP's unit state machine. */
 int dptc_shard_module_exec(PyObject *module, dptc_module_state *st);
 int dptc_shard_traverse(dptc_module_state *st, visitproc visit, void *arg);
 void dptc_shard_clear(dptc_module_state *st);

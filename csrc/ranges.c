@@ -1,6 +1,6 @@
 /* ranges.c — named ranges in torch.profiler traces, opened from C.
  *
- * The DDP reducer (reducer.c) and fully_shard's units (shard.c) open ranges
+ * The DDP reducer (reducer.c) and fully_shard's units (unit.c) open ranges
  * around the collectives they launch and the phases they run; the names and
  * what each range covers are in [Note: profiler ranges] (dptc/_ranges.py).
  * C knows nothing of torch: dptc/_ranges.py hands it, once, the dict that

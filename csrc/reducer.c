@@ -152,7 +152,7 @@
 #include "engine.h"
 #include "module.h"
 #include "nccl.h"
-#include "reduce.h"
+#include "kernels.h"
 
 /* Names listed in an unused-parameter error before "and N more". */
 #define MAX_NAMES_IN_ERROR 16

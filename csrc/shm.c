@@ -52,7 +52,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "reduce.h"
+#include "kernels.h"
 #include "shm.h"
 
 #if defined(__x86_64__) && defined(__SSE2__)

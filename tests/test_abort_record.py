@@ -20,7 +20,7 @@ from tests._cc import c_compiler
 from tests._launch import REPO_ROOT
 
 SOURCES = [REPO_ROOT / "tests" / "c" / name for name in ("abort_record.c", "no_bridge.c")] + [
-    REPO_ROOT / "csrc" / name for name in ("engine.c", "shm.c", "reduce.c", "common.c")]
+    REPO_ROOT / "csrc" / name for name in ("engine.c", "shm.c", "kernels.c", "common.c")]
 # The extension's optimisation level (setup.py), so the compiler may reorder as it does there.
 FLAGS = ["-std=c11", "-O2", "-g", "-D_GNU_SOURCE", "-pthread", "-Wall", "-Wextra", "-Werror"]
 GDB_SCRIPT = REPO_ROOT / "tests" / "scripts" / "abort_record_gdb.py"

@@ -188,7 +188,7 @@ AVG_TIMEOUT_S = 180
 def test_avg_matches_gloo(world_size):
     """AVG divides the sum by the group size, as torch's gloo does (sum / n, not sum * (1/n),
     which differs by an ulp for about a third of the elements at 3 ranks; see [Note: AVG
-    divides] in csrc/reduce.c).  gloo and dptc run in the same ranks on the same inputs.
+    divides] in csrc/kernels.c).  gloo and dptc run in the same ranks on the same inputs.
 
     float32 and float64: dptc's AVG is its SUM divided by n, bit for bit, and differs from
     gloo's AVG only where the SUMs differ (gloo adds 3 or more ranks in its ring's order, which

@@ -1,6 +1,6 @@
 """engine.c and shm.c under ThreadSanitizer, and under AddressSanitizer with
 UBSan, with no torch and no Python in the ranks: tests/c/test_engine.c is
-built with engine.c, shm.c, reduce.c and common.c alone (bridge stubs in the
+built with engine.c, shm.c, kernels.c and common.c alone (bridge stubs in the
 test file) and run.
 
 It forks one-node groups of 2 and 3 rank processes; each rank drives both
@@ -24,9 +24,9 @@ import pytest
 from tests._cc import c_compiler
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SOURCES = [ROOT / "tests" / "c" / "test_engine.c", ROOT / "tests" / "c" / "no_bridge.c"] + [
-    ROOT / "csrc" / name for name in ("engine.c", "shm.c", "reduce.c", "common.c")]
+    ROOT / "csrc" / name for name in ("engine.c", "shm.c", "kernels.c", "common.c")]
 FLAGS = ["-std=c11", "-O1", "-g", "-D_GNU_SOURCE", "-pthread", "-Wall", "-Wextra", "-Werror"]
-# reduce.c's target_clones become ifunc resolvers, which the loader runs before
+# kernels.c's target_clones become ifunc resolvers, which the loader runs before
 # the TSan runtime is initialised; instrumented, they crash at startup.  The
 # portable build has no clones (the kernels are the same C loops).
 TSAN = ["-fsanitize=thread", "-DDPTC_REDUCE_PORTABLE"]

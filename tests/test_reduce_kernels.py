@@ -1,9 +1,9 @@
-"""The reduction kernels of csrc/reduce.c, checked in C with no torch and no
-process group: tests/c/test_reduce.c is built with reduce.c and common.c
+"""The reduction kernels of csrc/kernels.c, checked in C with no torch and no
+process group: tests/c/test_reduce.c is built with kernels.c and common.c
 (dptc_fail, dtype names) alone and run.
 
 It compares every dtype and op (AVG as SUM divided by n), 1 to 4 sources,
-counts 0 to 20011 (two of reduce.c's blocks and a tail for every dtype), in
+counts 0 to 20011 (two of kernels.c's blocks and a tail for every dtype), in
 place and out of place, against references computed in double precision; see
 the file's header for how they are computed.
 """
@@ -19,14 +19,14 @@ import pytest
 
 from tests._cc import c_compiler
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-SOURCES = [ROOT / "tests" / "c" / "test_reduce.c", ROOT / "csrc" / "reduce.c",
+SOURCES = [ROOT / "tests" / "c" / "test_reduce.c", ROOT / "csrc" / "kernels.c",
            ROOT / "csrc" / "common.c"]
 # The extension's own warning flags and feature macro (setup.py).
 WARNINGS = ["-std=c11", "-Wall", "-Wextra", "-Werror", "-D_GNU_SOURCE"]
 SANITIZERS = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all"]
 SANITIZED = ["-O1", "-g", "-fno-omit-frame-pointer", *SANITIZERS]
 # "portable" builds only the baseline kernels, which other machines run
-# (no AVX2 clones, no F16C float16 kernels); see reduce.c.
+# (no AVX2 clones, no F16C float16 kernels); see kernels.c.
 PORTABLE = ["-DDPTC_REDUCE_PORTABLE"]
 BUILDS = {
     "O2": ["-O2"],
@@ -35,7 +35,7 @@ BUILDS = {
     "sanitized-portable": [*SANITIZED, *PORTABLE],
 }
 # Leak checking needs ptrace-free surroundings that containers do not always
-# give; the test frees what it allocates and reduce.c allocates nothing.
+# give; the test frees what it allocates and kernels.c allocates nothing.
 SANITIZER_ENV = {
     "ASAN_OPTIONS": "detect_leaks=0",
     "UBSAN_OPTIONS": "print_stacktrace=1",

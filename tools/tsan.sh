@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds tests/c/test_engine.c with csrc/engine.c, shm.c, reduce.c and common.c (no Python)
+# Builds tests/c/test_engine.c with csrc/engine.c, shm.c, kernels.c and common.c (no Python)
 # under ThreadSanitizer, then under AddressSanitizer with UBSan, and runs each: one-node groups
 # of 2 and 3 rank processes, both streams busy from two threads, shared buffers, abort from a
 # third thread, destroy with work queued, ranks leaving a group rank 0 still uses.
@@ -13,9 +13,9 @@ cc=${CC:-gcc}
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 flags=(-std=c11 -O1 -g -D_GNU_SOURCE -pthread -Wall -Wextra -Werror)
-sources=(tests/c/test_engine.c tests/c/no_bridge.c csrc/engine.c csrc/shm.c csrc/reduce.c csrc/common.c)
+sources=(tests/c/test_engine.c tests/c/no_bridge.c csrc/engine.c csrc/shm.c csrc/kernels.c csrc/common.c)
 
-# reduce.c's target_clones become ifunc resolvers that the loader runs before the TSan
+# kernels.c's target_clones become ifunc resolvers that the loader runs before the TSan
 # runtime is initialised (they crash instrumented); the portable build has no clones.
 "$cc" "${flags[@]}" -fsanitize=thread -DDPTC_REDUCE_PORTABLE "${sources[@]}" -lrt \
     -o "$out/tsan"

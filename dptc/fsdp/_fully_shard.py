@@ -1,6 +1,6 @@
 """fully_shard and FSDPModule: torch 2.13's API, argument checking, nothing else.
 
-The unit layout lives in _unit.py (and its state machine in csrc/shard.c), the hooks in
+The unit layout lives in _unit.py (and its state machine in csrc/unit.c), the hooks in
 _state.py.
 """
 

@@ -1,7 +1,7 @@
 """The hooks of a fully_shard module and the root's per-iteration bookkeeping.
 
 Each fully_shard module has one State.  Its hooks are thin: they call the unit's transitions
-(dptc/fsdp/_unit.py over csrc/shard.c) in the order below.
+(dptc/fsdp/_unit.py over csrc/unit.c) in the order below.
 
 [Note: one training step]
 - Root pre-forward (first forward only): the root is the first fully_shard module whose forward

@@ -1,5 +1,5 @@
 """One fully_shard unit: the sharded layout of its parameters and the tensors its C state
-machine (``dptc._C.Unit``, csrc/shard.c) gathers into and reduces from.
+machine (``dptc._C.Unit``, csrc/unit.c) gathers into and reduces from.
 
 [Note: sharded layout]
 Parameter p of size d on its shard dim (dim 0 unless shard_placement_fn says otherwise),

@@ -5,7 +5,7 @@
  * csrc/shm.c).
  *
  * Built from this file, tests/c/no_bridge.c, csrc/engine.c, csrc/shm.c,
- * csrc/reduce.c and csrc/common.c with the extension's optimisation level.
+ * csrc/kernels.c and csrc/common.c with the extension's optimisation level.
  * Usage: abort_record REASON.  Aborts the group with REASON, checks that the
  * group reports it, and exits 0. */
 #include <stdio.h>

@@ -4,7 +4,7 @@
  * threads, failure record and the transport's shared-buffer table.
  *
  * Built from this file, tests/c/no_bridge.c, csrc/engine.c, csrc/shm.c,
- * csrc/reduce.c and csrc/common.c, and run, by tests/test_engine_tsan.py and tools/tsan.sh.
+ * csrc/kernels.c and csrc/common.c, and run, by tests/test_engine_tsan.py and tools/tsan.sh.
  * Usage: test_engine [ops_per_stream [deadline_s]].  Exits 0 when every
  * check passes.
  *

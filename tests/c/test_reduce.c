@@ -1,7 +1,7 @@
 /* test_reduce.c — dptc_reduce and dptc_divide against references computed
  * in double precision, and the refusals of all three entry points.
  *
- * Built from this file, csrc/reduce.c and csrc/common.c (for dptc_fail and
+ * Built from this file, csrc/kernels.c and csrc/common.c (for dptc_fail and
  * the dtype names) alone, and run, by
  * tests/test_reduce_kernels.py.  Exits 0 when every check passes; prints the
  * first failures in full and a summary otherwise.
@@ -18,7 +18,7 @@
  *   double could not be for int64.  BAND, BOR and BXOR combine the raw bits
  *   (bool: the truth values, so the result is 0 or 1).
  */
-#include "reduce.h"
+#include "kernels.h"
 
 #include <float.h>
 #include <math.h>
@@ -76,7 +76,7 @@ static const char *const op_names[DPTC_REDOP_COUNT] = {
     [DPTC_BOR] = "BOR", [DPTC_BXOR] = "BXOR",
 };
 
-/* ---- reading elements, independently of reduce.c ---- */
+/* ---- reading elements, independently of kernels.c ---- */
 
 /* The raw bits of element i, zero-extended. */
 static uint64_t load_raw(dptc_dtype dtype, const void *buf, size_t i)
@@ -632,7 +632,7 @@ static void test_half_round_trip(dptc_dtype dtype)
 }
 
 /* Every bfloat16/float16 pattern divided by each divisor: float32
- * quotient, one rounding (see [Note: AVG divides] in reduce.c). */
+ * quotient, one rounding (see [Note: AVG divides] in kernels.c). */
 static void test_half_divide(dptc_dtype dtype)
 {
     static const int divisors[] = {2, 3, 4, 5, 6, 7, 8, 1000, 1024};

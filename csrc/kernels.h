@@ -1,6 +1,6 @@
-/* reduce.h — element-wise reductions used by every CPU transport. */
-#ifndef DPTC_REDUCE_H
-#define DPTC_REDUCE_H
+/* kernels.h — element-wise reductions used by every CPU transport. */
+#ifndef DPTC_KERNELS_H
+#define DPTC_KERNELS_H
 
 #include "dptc.h"
 
@@ -9,7 +9,7 @@
  * dst may alias any srcs[k] (in-place reduction); the sources never alias
  * each other partially.  nsrc >= 1.  divisor divides the result before it
  * is stored, correctly rounded (1 for SUM/MAX/MIN/PRODUCT; n for AVG: see
- * [Note: AVG divides] in reduce.c); it must be 1 for integer types.
+ * [Note: AVG divides] in kernels.c); it must be 1 for integer types.
  * bfloat16 and float16 are accumulated in float32 across all sources,
  * divided in float32 and rounded once (round to nearest even).  AVG is never
  * passed here: callers pass SUM with divisor n.  BAND, BOR and BXOR take
@@ -33,4 +33,4 @@ dptc_status dptc_divide(void *buf, size_t count, dptc_dtype dtype, int divisor,
 dptc_status dptc_convert(void *dst, dptc_dtype dst_dtype, const void *src, dptc_dtype src_dtype,
                          size_t count, dptc_error *err);
 
-#endif /* DPTC_REDUCE_H */
+#endif /* DPTC_KERNELS_H */

@@ -1,4 +1,4 @@
-/* shard.c — FSDP: the state machine of one fully_shard unit.
+/* unit.c — FSDP: the state machine of one fully_shard unit.
  *
  * A unit is the set of parameters one fully_shard call manages.  Between
  * steps each rank holds only its shard of them; around the unit's forward
@@ -514,7 +514,7 @@ static PyGetSetDef unit_getset[] = {
 
 static PyType_Slot unit_slots[] = {
     {Py_tp_doc, "Unit(group, nparams, gather_stream=0, reduce_stream=1)\n\nThe state machine "
-                "of one fully_shard unit (see [Note: unit states] in csrc/shard.c)."},
+                "of one fully_shard unit (see [Note: unit states] in csrc/unit.c)."},
     {Py_tp_new, unit_new},
     {Py_tp_methods, unit_methods},
     {Py_tp_getset, unit_getset},

@@ -1,4 +1,4 @@
-/* reduce.c — element-wise reductions used by every CPU transport.
+/* kernels.c — element-wise reductions used by every CPU transport.
  *
  * [Note: reduction kernels]
  * Each (dtype, op) pair has two kernels generated from one macro: combine
@@ -43,7 +43,7 @@
  * otherwise; either way the result is the correctly rounded quotient.
  * bfloat16 and float16 divide their float32 sum and round once.
  */
-#include "reduce.h"
+#include "kernels.h"
 
 #include <math.h>
 #include <stdbool.h>
