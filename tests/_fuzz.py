@@ -50,9 +50,9 @@ from pathlib import Path
 from tests import _launch
 from tests._compare import max_rel
 
-__all__ = ["serve", "serve_torch_and_dptc", "run_impls", "error_text",
-           "renew_failed_dptc_groups", "RankServers", "label", "disagreement", "compare", "fuzz",
-           "run_fuzz_test", "budget_from_env", "skipped_from_env"]
+__all__ = ["serve", "serve_torch_and_dptc", "op_sequence", "forward_op", "run_impls",
+           "error_text", "renew_failed_dptc_groups", "RankServers", "label", "disagreement",
+           "compare", "fuzz", "run_fuzz_test", "budget_from_env", "skipped_from_env"]
 
 POLL_S = 0.002
 START_TIMEOUT_S = 120.0
@@ -126,6 +126,33 @@ def serve_torch_and_dptc(directory: str, run_example) -> dict:
 def error_text(error) -> str:
     """An outcome's "error": "Type: message" (the message cut at 500 characters)."""
     return f"{type(error).__name__}: {str(error)[:500]}"
+
+
+def op_sequence(ops, skip, weights, max_ops):
+    """The hypothesis strategy of an example's ops: lists of 1 to max_ops ops drawn from
+    `ops` ({name: strategy of that op's dict}, train_step first), the names in `skip` left out.
+    An op's name is drawn first, then its arguments: sampled_from draws the names in `weights`
+    that many times as often as the others (st.one_of would not: it draws each distinct
+    strategy alike, repeated or not), and shrinks towards the first name, so that shrinking
+    moves towards plain training steps."""
+    from hypothesis import strategies as st
+    names = [name for name in ops if name not in skip for _ in range(weights.get(name, 1))]
+    vocabulary = st.sampled_from(names).flatmap(lambda name: ops[name])
+    return st.lists(vocabulary, min_size=1, max_size=max_ops)
+
+
+def forward_op(mode, compute_loss, held):
+    """The "forward" op every fuzzer has: compute_loss() under torch.no_grad() (mode
+    "no_grad"), kept in held["losses"] for a later "backward" op ("keep"), or with its graph
+    dropped ("drop"); returns the loss's value."""
+    import torch
+    if mode == "no_grad":
+        with torch.no_grad():
+            return compute_loss().item()
+    loss = compute_loss()
+    if mode == "keep":
+        held["losses"].append(loss)
+    return loss.item()
 
 
 def run_impls(example, note, setup, apply, final, impls=("torch", "dptc")) -> dict:

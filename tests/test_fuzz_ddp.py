@@ -105,13 +105,7 @@ def examples(draw):
     }
     if config["static_graph"]:
         skip = skip | {"join"}
-    # An op's name first, then its arguments: sampled_from draws the names in WEIGHTS that
-    # many times as often as the others (st.one_of would not: it draws each distinct
-    # strategy alike, repeated or not), and shrinks towards the first, train_step, so that
-    # shrinking moves towards plain training steps.
-    names = [name for name in ops if name not in skip for _ in range(WEIGHTS.get(name, 1))]
-    vocabulary = st.sampled_from(names).flatmap(lambda name: ops[name])
-    return {"config": config, "ops": draw(st.lists(vocabulary, min_size=1, max_size=MAX_OPS))}
+    return {"config": config, "ops": draw(_fuzz.op_sequence(ops, skip, WEIGHTS, MAX_OPS))}
 
 
 # Where torch (2.13, CPU, gloo) cannot be the oracle: an example is compared only up to the

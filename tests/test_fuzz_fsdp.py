@@ -140,14 +140,9 @@ def examples(draw):
                  "set_requires_gradient_sync"):
         ops[name] = st.fixed_dictionaries({"op": st.just(name), "unit": unit,
                                            "value": st.booleans(), "recurse": st.booleans()})
-    # An op's name first, then its arguments: sampled_from draws the names in WEIGHTS that
-    # many times as often as the others (most states only show in a later backward, and
-    # explicit unshard and reshard make the most states; st.one_of would draw each distinct
-    # strategy alike, repeated or not), and shrinks towards the first, train_step, so that
-    # shrinking moves towards plain training steps.
-    names = [name for name in ops if name not in skip for _ in range(WEIGHTS.get(name, 1))]
-    vocabulary = st.sampled_from(names).flatmap(lambda name: ops[name])
-    return {"config": config, "ops": draw(st.lists(vocabulary, min_size=1, max_size=MAX_OPS))}
+    # WEIGHTS: most states only show in a later backward, and explicit unshard and reshard
+    # make the most states.
+    return {"config": config, "ops": draw(_fuzz.op_sequence(ops, skip, WEIGHTS, MAX_OPS))}
 
 
 # torchtitan's chunked loss (/tmp/r/titan.py's pattern; it crashed dptc with SIGSEGV): the

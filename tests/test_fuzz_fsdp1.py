@@ -37,8 +37,8 @@ development machine (2 cores, when nothing else runs).  Longer searches:
 DPTC_FUZZ_SEED (default 0), +1, ... until the time is up, collecting every round's finding
 instead of stopping at the first).  DPTC_FUZZ_SKIP=name,name leaves ops out of the
 vocabulary ("mp" never draws mixed precision), or passes the examples of a KNOWN_FINDINGS
-entry (by its name), to look past known findings; DPTC_FUZZ_VERBOSE=1 logs every example.  The test prints "fuzz fsdp1: N
-examples ..." (run with -s).
+entry (by its name), to look past known findings; DPTC_FUZZ_VERBOSE=1 logs every example.
+The test prints "fuzz fsdp1: N examples ..." (run with -s).
 """
 
 from hypothesis import strategies as st
@@ -91,13 +91,7 @@ def examples(draw):
             {"op": st.just("zero_grad"), "set_to_none": st.booleans()}),
         "optim_step": st.just({"op": "optim_step"}),
     }
-    # An op's name first, then its arguments: sampled_from draws the names in WEIGHTS that
-    # many times as often as the others (st.one_of would not: it draws each distinct
-    # strategy alike, repeated or not), and shrinks towards the first, train_step, so that
-    # shrinking moves towards plain training steps.
-    names = [name for name in ops if name not in skip for _ in range(WEIGHTS.get(name, 1))]
-    vocabulary = st.sampled_from(names).flatmap(lambda name: ops[name])
-    return {"config": config, "ops": draw(st.lists(vocabulary, min_size=1, max_size=MAX_OPS))}
+    return {"config": config, "ops": draw(_fuzz.op_sequence(ops, skip, WEIGHTS, MAX_OPS))}
 
 
 # Differences judged acceptable, each with its reason in the docstring: predicates over the

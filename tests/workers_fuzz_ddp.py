@@ -133,13 +133,8 @@ def _apply(op, model, optimizer, rank, config, held):
         model.require_backward_grad_sync = op["value"]
         return None
     if name == "forward":
-        if op["mode"] == "no_grad":
-            with torch.no_grad():
-                return _forward_loss(model, op, rank, config).item()
-        loss = _forward_loss(model, op, rank, config)
-        if op["mode"] == "keep":       # its backward is a later op's, if any
-            held["losses"].append(loss)
-        return loss.item()             # "drop": the graph is dropped without a backward
+        return _fuzz.forward_op(op["mode"], lambda: _forward_loss(model, op, rank, config),
+                                held)
     if name == "backward":
         if not held["losses"]:         # the latest kept forward's; nothing without one
             return None

@@ -192,13 +192,7 @@ def _apply(op, model, optimizer, rank, held):
         return loss.item()
     if name == "forward":
         tokens, targets = _data(op["seed"], rank)
-        if op["mode"] == "no_grad":
-            with torch.no_grad():
-                return _loss(model(tokens), targets).item()
-        loss = _loss(model(tokens), targets)
-        if op["mode"] == "keep":       # its backward is a later op's, if any
-            held["losses"].append(loss)
-        return loss.item()             # "drop": the graph is dropped without a backward
+        return _fuzz.forward_op(op["mode"], lambda: _loss(model(tokens), targets), held)
     if name == "backward":
         if held["losses"]:             # the latest kept forward's; nothing without one
             held["losses"].pop().backward()

@@ -182,13 +182,7 @@ def _apply(op, impl, model, optimizer, rank, config, held):
         return loss.item()
     if name == "forward":
         x, y = _data(op["seed"], rank, config)
-        if op["mode"] == "no_grad":
-            with torch.no_grad():
-                return _loss(model(x), y).item()
-        loss = _loss(model(x), y)
-        if op["mode"] == "keep":       # its backward is a later op's, if any
-            held["losses"].append(loss)
-        return loss.item()             # "drop": the graph is dropped without a backward
+        return _fuzz.forward_op(op["mode"], lambda: _loss(model(x), y), held)
     if name == "backward":
         if held["losses"]:             # the latest kept forward's; nothing without one
             held["losses"].pop().backward()
