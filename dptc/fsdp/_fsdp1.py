@@ -697,11 +697,10 @@ class FullyShardedDataParallel(StateDicts, nn.Module):
         if rank0_only and dist.get_rank() != 0:
             for unit in units:
                 unit.unsummon(writeback=False)
-        FullyShardedDataParallel._summoning += 1
         try:
-            yield
+            with original_names(FullyShardedDataParallel):
+                yield
         finally:
-            FullyShardedDataParallel._summoning -= 1
             for unit in units:
                 unit.unsummon(writeback and not rank0_only)
 
