@@ -541,11 +541,18 @@ class SpmdLayout:
         return self.spec_mesh, tuple(out)
 
 
+def _retype(holder, value, local):
+    """holder (a parameter's DTensor .grad) takes value's dtype, layout and memory, local its
+    local tensor, which may differ from the parameter's dtype (param_dtype,
+    keep_low_precision_grads): through .data, as .grad must otherwise match the parameter's
+    dtype, and through _local_tensor too, which DTensor's .data leaves in place."""
+    holder.data = value
+    holder._local_tensor = local
+
+
 def _assign_grad(param, grad):
     """param.grad = grad (a DTensor or None), in grad's dtype even where it differs from the
-    parameter's (param_dtype, keep_low_precision_grads): through .data, as .grad must
-    otherwise match the parameter's dtype, and through _local_tensor too, which DTensor's .data
-    leaves in place."""
+    parameter's (see _retype)."""
     if grad is None or grad.dtype == param.dtype:
         param.grad = grad
         return
@@ -554,8 +561,7 @@ def _assign_grad(param, grad):
                                                 device=local.device),
                                     grad.device_mesh, grad.placements, run_check=False,
                                     shape=grad.shape, stride=grad.stride())
-    param.grad.data = grad
-    param.grad._local_tensor = local
+    _retype(param.grad, grad, local)
 
 
 class Unit:
@@ -1290,11 +1296,8 @@ class Unit:
 
     def _set_grad_local(self, p, local):
         """Makes p.sharded.grad hold `local` in its dtype, which may differ from the
-        parameter's: through .data, as .grad must otherwise match the parameter's dtype, and
-        through _local_tensor too, which DTensor's .data leaves in place."""
-        grad = p.sharded.grad
-        grad.data = self._dtensor(local, p)
-        grad._local_tensor = local
+        parameter's (see _retype)."""
+        _retype(p.sharded.grad, self._dtensor(local, p), local)
 
     def _replicate_stream(self):
         return 1 if self.replicate_group.num_streams > 1 else 0
