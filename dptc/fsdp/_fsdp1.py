@@ -526,9 +526,7 @@ class FullyShardedDataParallel(StateDicts, nn.Module):
         managed = self.__dict__.get("_managed_params")
         if managed is None:
             managed = self.__dict__["_managed_params"] = [
-                p.sharded for fsdp in self.fsdp_modules(self)
-                for p in (fsdp.__dict__["_fsdp_state"].unit.params
-                          if fsdp.__dict__["_fsdp_state"].unit is not None else ())]
+                p.sharded for unit in _units_of(self.fsdp_modules(self)) for p in unit.params]
         hooked = [param for param in managed
                   if param._post_accumulate_grad_hooks or param._backward_hooks]
         if not hooked:
@@ -626,8 +624,7 @@ class FullyShardedDataParallel(StateDicts, nn.Module):
         total norm before clipping (over all ranks' shards).  On the root only, as torch's:
         a nested instance would clip its own parameters by their norm alone."""
         self._require_root("clip_grad_norm_")
-        units = [fsdp.__dict__["_fsdp_state"].unit for fsdp in self.fsdp_modules(self)]
-        units = [unit for unit in units if unit is not None]
+        units = _units_of(self.fsdp_modules(self))
         # The sharded parameters, whichever the modules hold now (a forward leaves some
         # unsharded), and the parameters no unit manages.
         params, managed, exposed = [], set(), set()
@@ -683,8 +680,7 @@ class FullyShardedDataParallel(StateDicts, nn.Module):
                                       "not supported: the other ranks would have nothing to "
                                       "write back; pass writeback=False")
         instances = FullyShardedDataParallel.fsdp_modules(module) if recurse else [module]
-        units = [fsdp.__dict__["_fsdp_state"].unit for fsdp in instances]
-        units = [unit for unit in units if unit is not None]
+        units = _units_of(instances)
         if any(unit.is_summoned() for unit in units):
             # torch's raises AssertionError too ("already unsharding parameters").
             raise AssertionError("summon_full_params inside summon_full_params of the same "
@@ -728,6 +724,13 @@ class FullyShardedDataParallel(StateDicts, nn.Module):
             unit = instance.__dict__["_fsdp_state"].unit
             if unit is not None:
                 unit.comm_hook = (state, runs)
+
+
+def _units_of(instances):
+    """The fully_shard units of FullyShardedDataParallel instances (one that holds no
+    parameter of its own has none)."""
+    units = [fsdp.__dict__["_fsdp_state"].unit for fsdp in instances]
+    return [unit for unit in units if unit is not None]
 
 
 def _fsdp_state_check(original):
